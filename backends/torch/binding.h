@@ -1,0 +1,67 @@
+// Glue shared by the PyTorch binding: dtype mapping, argument checks with precise messages,
+// ATen's thread pool as the csrc parallel-for, and csrc errors turned into Python ValueError.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "csrc/common.h"
+
+namespace fusedlayers {
+namespace torch_binding {
+
+inline std::string describe(at::ScalarType t) { return c10::toString(t); }
+
+inline DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "fusedlayers: unreachable dtype ", t);
+  }
+}
+
+// TypeError unless `t` is float32, float64, float16 or bfloat16.
+inline void check_floating(const char* op, const char* arg, const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK_TYPE(s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16,
+                   "fusedlayers.", op, ": ", arg,
+                   " must be float32, float64, float16 or bfloat16, got ", s);
+}
+
+// ValueError unless `t` lives on the same device as `ref` (named `ref_arg`).
+inline void check_same_device(const char* op, const char* arg, const at::Tensor& t,
+                              const char* ref_arg, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "fusedlayers.", op, ": ", arg,
+                    " must be on the same device as ", ref_arg, " (", ref.device(), "), got ",
+                    t.device());
+}
+
+inline void check_finite(const char* op, const char* arg, double v) {
+  TORCH_CHECK_VALUE(std::isfinite(v), "fusedlayers.", op, ": ", arg, " must be finite, got ", v);
+}
+
+inline ParallelFor aten_parallel_for() {
+  return [](int64_t n, int64_t grain, const RangeFn& fn) { at::parallel_for(0, n, grain, fn); };
+}
+
+// Runs a csrc call, re-raising its argument errors as ValueError.
+template <typename Fn>
+void call_csrc(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+inline at::Tensor workspace(size_t bytes, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+}  // namespace torch_binding
+}  // namespace fusedlayers

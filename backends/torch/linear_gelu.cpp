@@ -1,0 +1,113 @@
+// PyTorch CPU implementation of fusedlayers::linear_gelu{,_backward}: the GEMMs are ATen's
+// (at::mm), the bias + GELU epilogue and its gradient (with dbias) are csrc's.
+#include "backends/torch/binding.h"
+#include "csrc/bias_gelu.h"
+
+namespace fusedlayers {
+namespace torch_binding {
+namespace {
+
+GeluApprox parse_approximate(const char* op, c10::string_view approximate) {
+  if (approximate == "none") return GeluApprox::kNone;
+  if (approximate == "tanh") return GeluApprox::kTanh;
+  TORCH_CHECK_VALUE(false, "fusedlayers.", op, ": approximate must be 'none' or 'tanh', got '",
+                    approximate, "'");
+}
+
+void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor& weight,
+                       const at::Tensor* bias) {
+  check_floating(op, "input", input);
+  check_same_device(op, "weight", weight, "input", input);
+  TORCH_CHECK_TYPE(weight.scalar_type() == input.scalar_type(), "fusedlayers.", op,
+                   ": weight must have input's dtype ", input.scalar_type(), ", got ",
+                   weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "fusedlayers.", op,
+                    ": weight must be 2-D (out_features, in_features), got shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) == weight.size(1), "fusedlayers.", op,
+                    ": the last dimension of input must equal in_features = weight.shape[1] = ",
+                    weight.size(1), ", got input of shape ", input.sizes());
+  if (!bias) return;
+  check_same_device(op, "bias", *bias, "input", input);
+  TORCH_CHECK_TYPE(bias->scalar_type() == input.scalar_type(), "fusedlayers.", op,
+                   ": bias must have input's dtype ", input.scalar_type(), ", got ",
+                   bias->scalar_type());
+  TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "fusedlayers.", op,
+                    ": bias must have shape (out_features,) = (", weight.size(0), ",), got ",
+                    bias->sizes());
+}
+
+// input viewed as (rows, in_features); explicit rows so in_features == 0 works too.
+at::Tensor as_2d(const at::Tensor& input) {
+  return input.reshape({c10::multiply_integers(input.sizes().slice(0, input.dim() - 1)),
+                        input.size(-1)});
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& input, int64_t out_features) {
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end() - 1);
+  shape.push_back(out_features);
+  return shape;
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_gelu_op(const at::Tensor& input,
+                                                  const at::Tensor& weight,
+                                                  const std::optional<at::Tensor>& bias,
+                                                  c10::string_view approximate) {
+  const GeluApprox approx = parse_approximate("linear_gelu", approximate);
+  check_linear_args("linear_gelu", input, weight, bias ? &*bias : nullptr);
+  const int64_t out_features = weight.size(0);
+  at::Tensor pre = at::mm(as_2d(input), weight.t());  // contiguous
+  at::Tensor y = at::empty_like(pre);
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  call_csrc([&] {
+    bias_gelu_forward_cpu(pre.data_ptr(), b.defined() ? b.data_ptr() : nullptr, pre.data_ptr(),
+                          y.data_ptr(), pre.size(0), out_features, approx,
+                          to_dtype(pre.scalar_type()), aten_parallel_for());
+  });
+  const auto shape = out_shape(input, out_features);
+  return {y.view(shape), pre.view(shape)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& weight,
+    const at::Tensor& pre, bool has_bias, c10::string_view approximate) {
+  const GeluApprox approx = parse_approximate("linear_gelu_backward", approximate);
+  check_linear_args("linear_gelu_backward", input, weight, nullptr);
+  const auto shape = out_shape(input, weight.size(0));
+  TORCH_CHECK_VALUE(grad_out.sizes() == shape && pre.sizes() == shape &&
+                        grad_out.scalar_type() == input.scalar_type() &&
+                        pre.scalar_type() == input.scalar_type(),
+                    "fusedlayers.linear_gelu_backward: grad_out and pre must have shape ",
+                    at::IntArrayRef(shape), " and dtype ", input.scalar_type(), ", got ",
+                    grad_out.sizes(), " ", grad_out.scalar_type(), " and ", pre.sizes(), " ",
+                    pre.scalar_type());
+  const int64_t out_features = weight.size(0);
+  const int64_t dpre_rows = c10::multiply_integers(input.sizes().slice(0, input.dim() - 1));
+  const at::Tensor dy = grad_out.contiguous().view({dpre_rows, out_features});
+  const at::Tensor p = pre.contiguous().view({dpre_rows, out_features});
+  at::Tensor dpre = at::empty_like(p);
+  at::Tensor dbias = at::empty({has_bias ? out_features : 0}, p.options());
+  const DType dtype = to_dtype(p.scalar_type());
+  at::Tensor ws;
+  call_csrc([&] {
+    if (has_bias)
+      ws = workspace(bias_gelu_backward_workspace_size_cpu(p.size(0), out_features, dtype), p);
+    bias_gelu_backward_cpu(dy.data_ptr(), p.data_ptr(), dpre.data_ptr(),
+                           has_bias ? dbias.data_ptr() : nullptr,
+                           ws.defined() ? ws.data_ptr() : nullptr, p.size(0), out_features,
+                           approx, dtype, aten_parallel_for());
+  });
+  at::Tensor grad_input = at::mm(dpre, weight).view(input.sizes());             // dgrad
+  at::Tensor grad_weight = at::mm(dpre.t(), as_2d(input));  // wgrad
+  return {grad_input, grad_weight, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
+  m.impl("linear_gelu", &linear_gelu_op);
+  m.impl("linear_gelu_backward", &linear_gelu_backward_op);
+}
+
+}  // namespace torch_binding
+}  // namespace fusedlayers

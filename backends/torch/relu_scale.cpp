@@ -1,0 +1,47 @@
+// PyTorch CPU implementation of fusedlayers::relu_scale{,_backward}: checks, allocation, csrc call.
+#include "backends/torch/binding.h"
+#include "csrc/relu_scale.h"
+
+namespace fusedlayers {
+namespace torch_binding {
+namespace {
+
+at::Tensor relu_scale_op(const at::Tensor& x, double alpha) {
+  check_floating("relu_scale", "x", x);
+  check_finite("relu_scale", "alpha", alpha);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  call_csrc([&] {
+    relu_scale_forward_cpu(xc.data_ptr(), y.data_ptr(), xc.numel(), alpha,
+                           to_dtype(xc.scalar_type()), aten_parallel_for());
+  });
+  return y;
+}
+
+at::Tensor relu_scale_backward_op(const at::Tensor& grad_out, const at::Tensor& x,
+                                   double alpha) {
+  check_floating("relu_scale_backward", "x", x);
+  check_finite("relu_scale_backward", "alpha", alpha);
+  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type(),
+                    "fusedlayers.relu_scale_backward: grad_out must match x (", x.sizes(), ", ",
+                    x.scalar_type(), "), got ", grad_out.sizes(), ", ", grad_out.scalar_type());
+  const at::Tensor dyc = grad_out.contiguous();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor dx = at::empty_like(xc);
+  call_csrc([&] {
+    relu_scale_backward_cpu(dyc.data_ptr(), xc.data_ptr(), dx.data_ptr(),
+                            xc.numel(), alpha, to_dtype(xc.scalar_type()),
+                            aten_parallel_for());
+  });
+  return dx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
+  m.impl("relu_scale", &relu_scale_op);
+  m.impl("relu_scale_backward", &relu_scale_backward_op);
+}
+
+}  // namespace torch_binding
+}  // namespace fusedlayers

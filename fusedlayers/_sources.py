@@ -1,0 +1,14 @@
+"""Where the compiled parts come from: the source files and flags of the PyTorch extension,
+shared by setup.py and the just-in-time build so the two can never disagree. Imports no torch."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# -fvisibility=hidden keeps csrc's symbols private to each library that compiles it in.
+CXX_FLAGS = ["-O3", "-fvisibility=hidden"]
+
+
+def torch_sources(root: Path = ROOT) -> list[Path]:
+    """The csrc kernels and the torch binding, compiled together into one library."""
+    return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/torch/*.cpp")])

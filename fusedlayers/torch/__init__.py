@@ -1,0 +1,9 @@
+"""fusedlayers for PyTorch: torch.nn modules and functional ops backed by the fusedlayers::
+operators (TORCH_LIBRARY, so torch.compile sees them without graph breaks)."""
+
+from ._library import ExtensionNotBuiltError
+from .layers import FusedLinearGELU, FusedReLUScale, LayerNorm
+from .ops import layer_norm, linear_gelu, relu_scale
+
+__all__ = ["ExtensionNotBuiltError", "FusedLinearGELU", "FusedReLUScale", "LayerNorm",
+           "layer_norm", "linear_gelu", "relu_scale"]

@@ -1,0 +1,55 @@
+"""Loads the compiled PyTorch extension `fusedlayers._C` into torch.ops, or, when
+FUSEDLAYERS_JIT=1, compiles the same sources with torch.utils.cpp_extension.load (ninja, cached
+under TORCH_EXTENSIONS_DIR) for kernel work without reinstalling."""
+
+import importlib.util
+import os
+
+import torch
+
+from .. import _sources
+
+BUILD_COMMAND = "pip install --no-build-isolation -e ."
+
+
+class ExtensionNotBuiltError(RuntimeError):
+    """The fusedlayers PyTorch extension is missing or cannot be loaded."""
+
+
+def _jit_build() -> None:
+    from torch.utils import cpp_extension
+
+    sources = _sources.torch_sources()
+    if not sources:
+        raise ExtensionNotBuiltError(
+            f"fusedlayers: FUSEDLAYERS_JIT=1 needs the source checkout, but no sources were found "
+            f"under {_sources.ROOT}")
+    cpp_extension.load(
+        name="fusedlayers_torch",
+        sources=[str(p) for p in sources],
+        extra_include_paths=[str(_sources.ROOT)],
+        extra_cflags=_sources.CXX_FLAGS,
+        is_python_module=False,
+        verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1",
+    )
+
+
+def load() -> str | None:
+    """Registers the fusedlayers:: operators with torch. Returns None, or why it could not."""
+    if os.environ.get("FUSEDLAYERS_JIT") == "1":
+        try:
+            _jit_build()
+        except Exception as e:  # a compiler error must reach the user, not crash the import
+            return f"fusedlayers: the just-in-time build (FUSEDLAYERS_JIT=1) failed: {e}"
+        return None
+    spec = importlib.util.find_spec("fusedlayers._C")
+    if spec is None or spec.origin is None:
+        return (f"fusedlayers: the PyTorch extension is not built. Build it with "
+                f"`{BUILD_COMMAND}` in the fusedlayers checkout, or set FUSEDLAYERS_JIT=1 to "
+                f"compile it on first use.")
+    try:
+        torch.ops.load_library(spec.origin)
+    except OSError as e:
+        return (f"fusedlayers: the PyTorch extension at {spec.origin} does not load with torch "
+                f"{torch.__version__} ({e}). Rebuild it with `{BUILD_COMMAND}`.")
+    return None

@@ -1,0 +1,154 @@
+"""The fused ops on torch tensors: fake kernels and autograd for the `fusedlayers::` operators
+(schemas in backends/torch/schemas.cpp), and the functional API on top of them.
+
+Autocast policy (decided to match the unfused ops under torch.autocast): `linear_gelu` runs in
+the autocast dtype like `torch.nn.functional.linear`; `layer_norm` runs in float32 and returns
+float32 like `torch.nn.functional.layer_norm`; `relu_scale` runs in the input dtype like relu.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _library
+
+_LOAD_ERROR = _library.load()
+
+
+def _require() -> None:
+    if _LOAD_ERROR is not None:
+        raise _library.ExtensionNotBuiltError(_LOAD_ERROR)
+
+
+def _cast(dtype, *tensors):
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def relu_scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """y = max(x, 0) * alpha, element-wise, bit-identical to `torch.relu(x) * alpha`.
+
+    x: any shape and layout, float32/float64/float16/bfloat16. Returns a contiguous tensor of
+    x's shape and dtype. Raises TypeError for other dtypes, ValueError for a non-finite alpha.
+    """
+    _require()
+    return torch.ops.fusedlayers.relu_scale(x, float(alpha))
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                approximate: str = "none") -> torch.Tensor:
+    """y = gelu(x @ weight^T + bias), replacing `F.gelu(F.linear(x, weight, bias), approximate)`.
+
+    x: (..., in_features); weight: (out_features, in_features); bias: (out_features,) or None;
+    all one floating dtype on one device. approximate: 'none' (erf) or 'tanh'. Returns
+    (..., out_features). Raises ValueError on shape/device/approximate mismatches and TypeError on
+    dtype mismatches. GELU: Hendrycks & Gimpel 2016, arXiv:1606.08415.
+    """
+    _require()
+    if torch.is_autocast_enabled(x.device.type):
+        x, weight, bias = _cast(torch.get_autocast_dtype(x.device.type), x, weight, bias)
+    return torch.ops.fusedlayers.linear_gelu(x, weight, bias, approximate)[0]
+
+
+def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
+               weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5, memory_efficient: bool = False) -> torch.Tensor:
+    """Layer normalization over the trailing `normalized_shape` dims of x, replacing
+    `torch.nn.functional.layer_norm` (Ba et al. 2016, arXiv:1607.06450).
+
+    x: (..., *normalized_shape), float32/float64/float16/bfloat16, any layout. weight, bias:
+    normalized_shape, in x's dtype or float32 (for half x). Statistics in float32 (float64 for
+    float64). memory_efficient=True saves the output instead of the input for the backward (as
+    Apex does); it then needs a weight without zeros. Raises ValueError on shape/device/eps
+    errors and TypeError on dtype errors.
+    """
+    _require()
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    if torch.is_autocast_enabled(x.device.type):
+        x, weight, bias = _cast(torch.float32, x, weight, bias)
+    return torch.ops.fusedlayers.layer_norm(x, shape, weight, bias, float(eps),
+                                            bool(memory_efficient))[0]
+
+
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _register() -> None:
+    lib = "fusedlayers::"
+    fake, autograd = torch.library.register_fake, torch.library.register_autograd
+
+    # Fake kernels: shapes, dtypes and (contiguous) strides exactly as the real kernels return.
+    @fake(lib + "relu_scale")
+    def _(x, alpha):
+        return x.new_empty(x.shape)
+
+    @fake(lib + "relu_scale_backward")
+    def _(grad_out, x, alpha):
+        return x.new_empty(x.shape)
+
+    @fake(lib + "layer_norm")
+    def _(x, normalized_shape, weight, bias, eps, memory_efficient):
+        stat_shape = x.shape[:x.dim() - len(normalized_shape)]
+        return (x.new_empty(x.shape), x.new_empty(stat_shape, dtype=_stat_dtype(x)),
+                x.new_empty(stat_shape, dtype=_stat_dtype(x)))
+
+    @fake(lib + "layer_norm_backward")
+    def _(grad_out, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient):
+        return (saved.new_empty(saved.shape),
+                saved.new_empty(0) if weight is None else weight.new_empty(weight.shape),
+                saved.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+
+    @fake(lib + "linear_gelu")
+    def _(x, weight, bias, approximate):
+        shape = (*x.shape[:-1], weight.shape[0])
+        return x.new_empty(shape), x.new_empty(shape)
+
+    @fake(lib + "linear_gelu_backward")
+    def _(grad_out, x, weight, pre, has_bias, approximate):
+        return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+                x.new_empty(weight.shape[0] if has_bias else 0))
+
+    # Autograd: each backward calls only the backward custom op, so it traces under compile.
+    def relu_scale_setup(ctx, inputs, output):
+        x, ctx.alpha = inputs
+        ctx.save_for_backward(x)
+
+    def relu_scale_backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.ops.fusedlayers.relu_scale_backward(grad, x, ctx.alpha), None
+
+    autograd(lib + "relu_scale", relu_scale_backward, setup_context=relu_scale_setup)
+
+    def layer_norm_setup(ctx, inputs, output):
+        x, ctx.normalized_shape, weight, bias, _, ctx.memory_efficient = inputs
+        y, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.save_for_backward(y if ctx.memory_efficient else x, mean, rstd, weight, bias)
+
+    def layer_norm_backward(ctx, grad, _grad_mean, _grad_rstd):
+        saved, mean, rstd, weight, bias = ctx.saved_tensors
+        dx, dw, db = torch.ops.fusedlayers.layer_norm_backward(
+            grad, saved, mean, rstd, ctx.normalized_shape, weight, bias, ctx.memory_efficient)
+        return (dx, None, None if weight is None else dw, None if bias is None else db,
+                None, None)
+
+    autograd(lib + "layer_norm", layer_norm_backward, setup_context=layer_norm_setup)
+
+    def linear_gelu_setup(ctx, inputs, output):
+        x, weight, bias, ctx.approximate = inputs
+        _, pre = output
+        ctx.has_bias = bias is not None
+        ctx.mark_non_differentiable(pre)
+        ctx.save_for_backward(x, weight, pre)
+
+    def linear_gelu_backward(ctx, grad, _grad_pre):
+        x, weight, pre = ctx.saved_tensors
+        dx, dw, db = torch.ops.fusedlayers.linear_gelu_backward(
+            grad, x, weight, pre, ctx.has_bias, ctx.approximate)
+        return dx, dw, db if ctx.has_bias else None, None
+
+    autograd(lib + "linear_gelu", linear_gelu_backward, setup_context=linear_gelu_setup)
+
+
+if _LOAD_ERROR is None:
+    _register()
