@@ -33,4 +33,8 @@ setup(
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",
+    extras_require={
+        "test": ["pytest", "numpy", "expecttest"],
+        "examples": ["scikit-learn", "einops", "matplotlib", "tqdm"],
+    },
 )

@@ -1,9 +1,12 @@
-// CPU storage types for float16/bfloat16, fp32/fp64 accumulation types and the dtype switch
-// used by the CPU kernels. float16 converts through the compiler's _Float16 (IEEE binary16,
-// round-to-nearest-even); bfloat16 is the top half of a float32, rounded to nearest even.
+// CPU storage types for float16/bfloat16, fp32/fp64 accumulation types, the dtype switch, and
+// row helpers written so the compiler vectorizes them without -ffast-math. float16 converts
+// through the compiler's _Float16 (IEEE binary16, round-to-nearest-even); bfloat16 is the top
+// half of a float32, rounded to nearest even.
 #pragma once
 
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "common.h"
 
@@ -41,14 +44,59 @@ template <> inline Half from_acc<Half>(float v) {
 template <> inline BFloat16 from_acc<BFloat16>(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;                   // never round NaN to Inf
   BFloat16 out;
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it quiet, never round it to Inf
-    out.bits = static_cast<uint16_t>((u >> 16) | 0x0040u);
-  } else {
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-    out.bits = static_cast<uint16_t>(u >> 16);
-  }
+  out.bits = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
   return out;
+}
+
+// Converts n values to the accumulation type: a row is staged once, then all math runs on A.
+template <typename T, typename A>
+void load(const T* src, A* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_acc(src[i]);
+}
+
+template <typename T, typename A>
+void store(const A* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_acc<T>(src[i]);
+}
+
+// A parameter vector (gamma, beta, bias) in the accumulation type, `fill` where it is absent,
+// so the row loops need no branches.
+template <typename P, typename A>
+std::vector<A> param_or(const void* p, int64_t n, A fill) {
+  std::vector<A> out(static_cast<size_t>(n), fill);
+  if (p) load(static_cast<const P*>(p), out.data(), n);
+  return out;
+}
+
+// sum_{i < n} term(i) over kLanes independent partial sums, added in lane order at the end: the
+// compiler vectorizes it (a plain running sum it may not reorder), and the order is fixed, so
+// the result never depends on threads.
+constexpr int kLanes = 16;
+
+template <typename A, typename Term>
+A lane_sum(int64_t n, Term term) {
+  A acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += term(i + k);
+  for (int k = 0; i < n; ++i, ++k) acc[k] += term(i);
+  A total = 0;
+  for (int k = 0; k < kLanes; ++k) total += acc[k];
+  return total;
+}
+
+// The row as accumulation-type values: src itself when T is A, else converted into buf.
+template <typename T, typename A>
+const A* staged(const T* src, A* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    return src;
+  } else {
+    load(src, buf, n);
+    return buf;
+  }
 }
 
 // Calls fn(T{}) with T the storage type of `dtype`.

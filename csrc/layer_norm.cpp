@@ -52,34 +52,25 @@ void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, 
     using T = decltype(t);
     using P = decltype(p);
     using A = typename cpu::Acc<T>::type;
-    const T* xp = static_cast<const T*>(x);
-    const P* gp = static_cast<const P*>(gamma);
-    const P* bp = static_cast<const P*>(beta);
-    T* yp = static_cast<T*>(y);
-    A* meanp = static_cast<A*>(mean);
-    A* rstdp = static_cast<A*>(rstd);
+    const std::vector<A> g = cpu::param_or<P, A>(gamma, cols, A(1));
+    const std::vector<A> b = cpu::param_or<P, A>(beta, cols, A(0));
     const int64_t grain = std::max<int64_t>(1, 16384 / cols);
     parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<A> buf(static_cast<size_t>(cols));
+      const A* gp = g.data();
+      const A* bp = b.data();
       for (int64_t r = begin; r < end; ++r) {
-        const T* xr = xp + r * cols;
-        T* yr = yp + r * cols;
-        A sum = 0;
-        for (int64_t j = 0; j < cols; ++j) sum += cpu::to_acc(xr[j]);
-        const A mu = sum / static_cast<A>(cols);
-        A sq = 0;
-        for (int64_t j = 0; j < cols; ++j) {
-          const A d = cpu::to_acc(xr[j]) - mu;
-          sq += d * d;
-        }
-        const A rs = A(1) / std::sqrt(sq / static_cast<A>(cols) + static_cast<A>(eps));
-        for (int64_t j = 0; j < cols; ++j) {
-          A v = (cpu::to_acc(xr[j]) - mu) * rs;
-          if (gp) v *= static_cast<A>(cpu::to_acc(gp[j]));
-          if (bp) v += static_cast<A>(cpu::to_acc(bp[j]));
-          yr[j] = cpu::from_acc<T>(v);
-        }
-        meanp[r] = mu;
-        rstdp[r] = rs;
+        const A* v = cpu::staged(static_cast<const T*>(x) + r * cols, buf.data(), cols);
+        T* yr = static_cast<T*>(y) + r * cols;
+        const A mu = cpu::lane_sum<A>(cols, [&](int64_t j) { return v[j]; }) / A(cols);
+        const A var = cpu::lane_sum<A>(cols, [&](int64_t j) {
+                        const A dev = v[j] - mu;
+                        return dev * dev;
+                      }) / A(cols);
+        const A rs = A(1) / std::sqrt(var + static_cast<A>(eps));
+        for (int64_t j = 0; j < cols; ++j) yr[j] = cpu::from_acc<T>((v[j] - mu) * rs * gp[j] + bp[j]);
+        static_cast<A*>(mean)[r] = mu;
+        static_cast<A*>(rstd)[r] = rs;
       }
     });
   });
@@ -106,54 +97,41 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
     using T = decltype(t);
     using P = decltype(p);
     using A = typename cpu::Acc<T>::type;
-    const T* dyp = static_cast<const T*>(dy);
-    const T* sp = static_cast<const T*>(saved);
-    const A* meanp = static_cast<const A*>(mean);
-    const A* rstdp = static_cast<const A*>(rstd);
-    const P* gp = static_cast<const P*>(gamma);
-    const P* bp = static_cast<const P*>(beta);
-    T* dxp = static_cast<T*>(dx);
+    const std::vector<A> g = cpu::param_or<P, A>(gamma, cols, A(1));
+    const std::vector<A> b = cpu::param_or<P, A>(beta, cols, A(0));
     A* partial = static_cast<A*>(workspace);  // [chunk][dgamma | dbeta][cols]
     const int64_t chunks = num_chunks(rows);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
 
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
-      std::vector<A> xhat(static_cast<size_t>(cols));
+      std::vector<A> buf(static_cast<size_t>(3 * cols));
+      A* d = buf.data();         // dy
+      A* xh = d + cols;          // xhat
+      A* gd = xh + cols;         // dy * gamma, then dx
       for (int64_t c = cbegin; c < cend; ++c) {
         A* pg = want_params ? partial + c * 2 * cols : nullptr;
         A* pb = want_params ? pg + cols : nullptr;
         if (want_params) std::fill(pg, pg + 2 * cols, A(0));
         const int64_t rend = std::min(rows, (c + 1) * per_chunk);
         for (int64_t r = c * per_chunk; r < rend; ++r) {
-          const T* dyr = dyp + r * cols;
-          const T* sr = sp + r * cols;
-          const A rs = rstdp[r];
-          A sum_g = 0, sum_gx = 0;
-          for (int64_t j = 0; j < cols; ++j) {
-            A xh;
-            if (saved_is_output) {
-              xh = cpu::to_acc(sr[j]);
-              if (bp) xh -= static_cast<A>(cpu::to_acc(bp[j]));
-              if (gp) xh /= static_cast<A>(cpu::to_acc(gp[j]));
-            } else {
-              xh = (cpu::to_acc(sr[j]) - meanp[r]) * rs;
-            }
-            xhat[j] = xh;
-            const A d = cpu::to_acc(dyr[j]);
-            const A g = gp ? d * static_cast<A>(cpu::to_acc(gp[j])) : d;
-            sum_g += g;
-            sum_gx += g * xh;
-            if (pg) pg[j] += d * xh;
-            if (pb) pb[j] += d;
+          const A rs = static_cast<const A*>(rstd)[r];
+          cpu::load(static_cast<const T*>(dy) + r * cols, d, cols);
+          cpu::load(static_cast<const T*>(saved) + r * cols, xh, cols);
+          if (saved_is_output) {
+            for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - b[j]) / g[j];
+          } else {
+            const A mu = static_cast<const A*>(mean)[r];
+            for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - mu) * rs;
           }
-          const A mg = sum_g / static_cast<A>(cols);
-          const A mgx = sum_gx / static_cast<A>(cols);
-          T* dxr = dxp + r * cols;
-          for (int64_t j = 0; j < cols; ++j) {
-            const A d = cpu::to_acc(dyr[j]);
-            const A g = gp ? d * static_cast<A>(cpu::to_acc(gp[j])) : d;
-            dxr[j] = cpu::from_acc<T>(rs * (g - mg - xhat[j] * mgx));
+          for (int64_t j = 0; j < cols; ++j) gd[j] = d[j] * g[j];
+          const A mg = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j]; }) / A(cols);
+          const A mgx = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j] * xh[j]; }) / A(cols);
+          if (want_params) {
+            for (int64_t j = 0; j < cols; ++j) pg[j] += d[j] * xh[j];
+            for (int64_t j = 0; j < cols; ++j) pb[j] += d[j];
           }
+          for (int64_t j = 0; j < cols; ++j) gd[j] = rs * (gd[j] - mg - xh[j] * mgx);
+          cpu::store(gd, static_cast<T*>(dx) + r * cols, cols);
         }
       }
     });

@@ -1,4 +1,5 @@
-// CPU ReLU*scale: one pass, element-wise, parallel over contiguous blocks.
+// CPU ReLU*scale: one pass, element-wise, parallel over contiguous blocks; branch-free selects
+// so the loops vectorize.
 #include "relu_scale.h"
 
 #include "cpu_types.h"
@@ -41,8 +42,8 @@ void relu_scale_backward_cpu(const void* dy, const void* x, void* dx, int64_t n,
     const A a = static_cast<A>(alpha);
     parallel_for(n, kGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const bool pass = !(cpu::to_acc(xp[i]) <= A(0));
-        dxp[i] = cpu::from_acc<T>(pass ? cpu::to_acc(dyp[i]) * a : A(0));
+        const A g = cpu::to_acc(dyp[i]) * a;
+        dxp[i] = cpu::from_acc<T>(cpu::to_acc(xp[i]) <= A(0) ? A(0) : g);
       }
     });
   });

@@ -1,5 +1,7 @@
-// PyTorch CPU implementation of fusedlayers::linear_gelu{,_backward}: the GEMMs are ATen's
-// (at::mm), the bias + GELU epilogue and its gradient (with dbias) are csrc's.
+// PyTorch CPU implementation of fusedlayers::linear_gelu{,_backward}. The GEMMs are ATen's: the
+// forward adds the bias inside the GEMM (at::addmm, as nn.Linear does, so pre is bit-identical
+// to the unfused layer's output) and csrc applies GELU; the backward's GELU gradient and dbias
+// are one csrc pass, dgrad and wgrad are at::mm.
 #include "backends/torch/binding.h"
 #include "csrc/bias_gelu.h"
 
@@ -56,13 +58,13 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu_op(const at::Tensor& input,
   const GeluApprox approx = parse_approximate("linear_gelu", approximate);
   check_linear_args("linear_gelu", input, weight, bias ? &*bias : nullptr);
   const int64_t out_features = weight.size(0);
-  at::Tensor pre = at::mm(as_2d(input), weight.t());  // contiguous
+  const at::Tensor x2d = as_2d(input);
+  at::Tensor pre = bias ? at::addmm(*bias, x2d, weight.t()) : at::mm(x2d, weight.t());
   at::Tensor y = at::empty_like(pre);
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   call_csrc([&] {
-    bias_gelu_forward_cpu(pre.data_ptr(), b.defined() ? b.data_ptr() : nullptr, pre.data_ptr(),
-                          y.data_ptr(), pre.size(0), out_features, approx,
-                          to_dtype(pre.scalar_type()), aten_parallel_for());
+    bias_gelu_forward_cpu(pre.data_ptr(), nullptr, pre.data_ptr(), y.data_ptr(), pre.size(0),
+                          out_features, approx, to_dtype(pre.scalar_type()),
+                          aten_parallel_for());
   });
   const auto shape = out_shape(input, out_features);
   return {y.view(shape), pre.view(shape)};

@@ -1,0 +1,67 @@
+"""`python -m fusedlayers info` reports which backends are built and usable, for which devices,
+and why not; `python -m fusedlayers bench` times fused against unfused ops (fusedlayers.bench)."""
+
+import argparse
+import importlib.util
+import platform
+import sys
+
+
+def info() -> int:
+    import fusedlayers
+    print(f"fusedlayers {fusedlayers.__version__}, Python {platform.python_version()}")
+    if importlib.util.find_spec("torch") is None:
+        print("torch: not installed")
+        return 0
+    import torch
+    from fusedlayers.torch import ops
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    if ops._LOAD_ERROR is not None:
+        print(f"  extension: not usable: {ops._LOAD_ERROR}")
+        return 1
+    kernels = {key for key in ("CPU", "CUDA")
+               if torch._C._dispatch_has_kernel_for_dispatch_key("fusedlayers::layer_norm", key)}
+    print(f"  extension: loaded; kernels for {', '.join(sorted(kernels))}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"  cuda:{i} {p.name} sm_{p.major}{p.minor}")
+    return 0
+
+
+def bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusedlayers bench")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--quick", action="store_true", help="one shape per op")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart")
+    args = parser.parse_args(argv)
+
+    import torch
+    from fusedlayers import bench as b
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    if device == "cpu":
+        name += f" ({torch.get_num_threads()} threads)"
+    rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
+                           not args.no_compile, args.reps)
+    print(b.format_table(rows, ceilings, name))
+    if args.json:
+        b.write_json(args.json, rows, ceilings, name)
+    if args.plot:
+        b.plot(args.plot, rows, name)
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("info", "bench"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    return info() if sys.argv[1] == "info" else bench(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""`python -m fusedlayers bench`: fused vs unfused eager vs torch.compile(unfused), per op, shape,
+dtype and pass, with the device's own ceilings measured in the same run.
+
+Memory-bound ops (relu_scale, layer_norm) report GB/s over the fewest bytes the op must move
+(each input read once, each output written once) and the percentage of the measured copy
+bandwidth (bytes read + written by a large tensor copy). linear_gelu reports TFLOP/s over
+2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of the measured
+GEMM rate of the same dtype. Times are medians: CUDA events (triton.testing.do_bench when
+present) on CUDA, the wall clock around synchronous calls on the CPU.
+"""
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import reference
+from .torch import ops
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    pass_: str
+    impl: str
+    ms: float
+    rate: float  # GB/s or TFLOP/s
+    unit: str
+    pct_of_peak: float
+
+
+def _median_ms(fn, device: torch.device, reps: int) -> float:
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+            return do_bench(fn, warmup=25, rep=100, return_mode="median")
+        except ImportError:
+            pass
+        fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: torch.device, reps: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of a large tensor."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 25)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), device, reps)
+    return 2 * src.nbytes / ms / 1e6
+
+
+def gemm_tflops(device: torch.device, dtype: torch.dtype, reps: int) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = _median_ms(lambda: a @ b, device, reps)
+    return 2 * n**3 / ms / 1e9
+
+
+def _fwd_bwd(fn, inputs):
+    def run():
+        out = fn()
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+    return run
+
+
+def _cases(device: torch.device, quick: bool):
+    """(op, shape, builder) where builder(dtype) -> (fused_fn, unfused_fn, inputs, work)."""
+    cuda = device.type == "cuda"
+    ew_shapes = [(32768, 4096)] if cuda else [(1024, 1024)]
+    ln_shapes = ([(32768, 768), (32768, 1024), (32768, 2048), (32768, 4096), (8192, 8192),
+                  (8192, 12288)] if cuda else [(4096, 768), (1024, 4097)])
+    lin_shapes = ([(8192, 4096, 16384), (4096, 1024, 4096)] if cuda else [(2048, 512, 2048)])
+    if quick:
+        ew_shapes, ln_shapes, lin_shapes = ew_shapes[:1], ln_shapes[:1], lin_shapes[-1:]
+
+    def rand(*shape, dtype):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    for rows, cols in ew_shapes:
+        def relu_case(dtype, rows=rows, cols=cols):
+            x = rand(rows, cols, dtype=dtype)
+            return (lambda: ops.relu_scale(x, 0.5), lambda: reference.relu_scale(x, 0.5), [x],
+                    x.numel() * x.element_size())
+        yield "relu_scale", f"{rows}x{cols}", relu_case
+    for rows, cols in ln_shapes:
+        def ln_case(dtype, rows=rows, cols=cols):
+            x, w, b = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
+            return (lambda: ops.layer_norm(x, cols, w, b), lambda: reference.layer_norm(x, cols, w, b),
+                    [x, w, b], x.numel() * x.element_size())
+        yield "layer_norm", f"{rows}x{cols}", ln_case
+    for m, k, n in lin_shapes:
+        def lin_case(dtype, m=m, k=k, n=n):
+            x, w, b = rand(m, k, dtype=dtype), rand(n, k, dtype=dtype), rand(n, dtype=dtype)
+            return (lambda: ops.linear_gelu(x, w, b), lambda: reference.linear_gelu(x, w, b),
+                    [x, w, b], 2 * m * n * k)
+        yield "linear_gelu", f"({m}x{k})x({k}x{n})", lin_case
+
+
+def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
+        compile: bool = True, reps: int = 20) -> tuple[list[Row], dict]:
+    dev = torch.device(device)
+    ceilings = {"copy_gbs": copy_bandwidth_gbs(dev, reps)}
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dev, dtype, reps)
+        for op, shape, build in _cases(dev, quick):
+            fused, unfused, inputs, work = build(dtype)
+            impls = {"fused": fused, "eager": unfused}
+            if compile:
+                impls["compile"] = torch.compile(unfused)
+            for pass_ in ("fwd", "fwd+bwd"):
+                for impl, fn in impls.items():
+                    timed = fn if pass_ == "fwd" else _fwd_bwd(fn, inputs)
+                    if pass_ == "fwd":
+                        timed = torch.no_grad()(timed)
+                    ms = _median_ms(timed, dev, reps)
+                    if op == "linear_gelu":
+                        flops = work * (1 if pass_ == "fwd" else 3)
+                        rate, unit = flops / ms / 1e9, "TFLOP/s"
+                        peak = ceilings[f"gemm_tflops_{dtype_name}"]
+                    else:
+                        # fwd: read x, write y; bwd adds read dy, x, write dx.
+                        nbytes = work * (2 if pass_ == "fwd" else 5)
+                        rate, unit, peak = nbytes / ms / 1e6, "GB/s", ceilings["copy_gbs"]
+                    rows.append(Row(op, shape, dtype_name, pass_, impl, ms, rate, unit,
+                                    100 * rate / peak))
+    return rows, ceilings
+
+
+def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
+    lines = [f"device: {device_name}",
+             "ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()),
+             f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<9}"
+             f"{'ms':>10}{'rate':>12}{'unit':>9}{'% peak':>8}"]
+    for r in rows:
+        lines.append(f"{r.op:<12}{r.shape:<24}{r.dtype:<10}{r.pass_:<9}{r.impl:<9}"
+                     f"{r.ms:>10.4f}{r.rate:>12.1f}{r.unit:>9}{r.pct_of_peak:>7.1f}%")
+    return "\n".join(lines)
+
+
+def write_json(path: str, rows: list[Row], ceilings: dict, device_name: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": device_name, "ceilings": ceilings,
+                   "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def plot(path: str, rows: list[Row], device_name: str) -> None:
+    """One bar group per (op, shape, dtype, pass): % of the device ceiling for each impl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r.op, r.shape, r.dtype, r.pass_) for r in rows))
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    pct = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r.pct_of_peak for r in rows}
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(keys)), 4))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        ax.bar([k + i * width for k in range(len(keys))],
+               [pct.get((*key, impl), 0) for key in keys], width, label=impl)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
+    ax.set_xticklabels([" ".join(k) for k in keys], rotation=75, fontsize=7)
+    ax.set_ylabel("% of measured copy bandwidth / GEMM rate")
+    ax.set_title(f"fusedlayers bench on {device_name}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
