@@ -1,7 +1,9 @@
-"""Builds fusedlayers with its PyTorch extension fusedlayers._C (csrc kernels + torch binding).
+"""Builds fusedlayers: the PyTorch extension fusedlayers._C (csrc kernels + torch binding) and,
+when tensorflow is importable, the TensorFlow op library fusedlayers/_tf_ops.so (the same csrc
+kernels + the TF binding).
 
-Install with `pip install --no-build-isolation -e .`: the extension compiles against the torch
-already installed, which pip's isolated build environment would hide."""
+Install with `pip install --no-build-isolation -e .`: the libraries compile against the torch
+and tensorflow already installed, which pip's isolated build environment would hide."""
 
 import sys
 from pathlib import Path
@@ -18,6 +20,24 @@ except ImportError:
     sys.exit("fusedlayers: building needs torch installed first (pip install torch), then "
              "`pip install --no-build-isolation -e .` so the build can see it.")
 
+
+
+class BuildWithTensorFlow(BuildExtension):
+    """Builds the torch extension, then the TF op library next to it when TF is importable."""
+
+    def run(self):
+        super().run()
+        try:
+            import tensorflow  # noqa: F401
+        except ImportError as e:
+            print(f"fusedlayers: skipping the TensorFlow op library: tensorflow is not "
+                  f"importable ({e})")
+            return
+        from fusedlayers.tensorflow import _library
+        package_dir = Path(self.get_ext_fullpath("fusedlayers._C")).parent
+        _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
+
+
 extension = CppExtension(
     "fusedlayers._C",
     sources=[str(p.relative_to(ROOT)) for p in _sources.torch_sources(ROOT)],
@@ -31,10 +51,11 @@ setup(
     description="Fused ReLU*scale, Linear+GELU and LayerNorm for PyTorch and TensorFlow",
     packages=find_packages(include=["fusedlayers", "fusedlayers.*"]),
     ext_modules=[extension],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildWithTensorFlow},
     python_requires=">=3.10",
     extras_require={
         "test": ["pytest", "numpy", "expecttest"],
+        "tensorflow": ["tensorflow-cpu==2.21.0"],
         "examples": ["scikit-learn", "einops", "matplotlib", "tqdm"],
     },
 )

@@ -43,7 +43,8 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
 
 void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, void* y,
                             void* mean, void* rstd, int64_t rows, int64_t cols, double eps,
-                            DType dtype, DType param_dtype, const ParallelFor& parallel_for) {
+                            bool subtract_mean, DType dtype, DType param_dtype,
+                            const ParallelFor& parallel_for) {
   check_sizes("layer_norm", rows, cols);
   check_param_dtype("layer_norm", dtype, param_dtype);
   if (!std::isfinite(eps) || eps < 0) fail("layer_norm: eps must be finite and >= 0");
@@ -53,7 +54,7 @@ void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, 
     using P = decltype(p);
     using A = typename cpu::Acc<T>::type;
     const std::vector<A> g = cpu::param_or<P, A>(gamma, cols, A(1));
-    const std::vector<A> b = cpu::param_or<P, A>(beta, cols, A(0));
+    const std::vector<A> b = cpu::param_or<P, A>(subtract_mean ? beta : nullptr, cols, A(0));
     const int64_t grain = std::max<int64_t>(1, 16384 / cols);
     parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<A> buf(static_cast<size_t>(cols));
@@ -68,7 +69,9 @@ void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, 
                         return dev * dev;
                       }) / A(cols);
         const A rs = A(1) / std::sqrt(var + static_cast<A>(eps));
-        for (int64_t j = 0; j < cols; ++j) yr[j] = cpu::from_acc<T>((v[j] - mu) * rs * gp[j] + bp[j]);
+        const A shift = subtract_mean ? mu : A(0);
+        for (int64_t j = 0; j < cols; ++j)
+          yr[j] = cpu::from_acc<T>((v[j] - shift) * rs * gp[j] + bp[j]);
         static_cast<A*>(mean)[r] = mu;
         static_cast<A*>(rstd)[r] = rs;
       }
@@ -85,12 +88,15 @@ size_t layer_norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType 
 void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean,
                              const void* rstd, const void* gamma, const void* beta, void* dx,
                              void* dgamma, void* dbeta, void* workspace, int64_t rows,
-                             int64_t cols, bool saved_is_output, DType dtype, DType param_dtype,
-                             const ParallelFor& parallel_for) {
+                             int64_t cols, bool saved_is_output, bool subtract_mean, DType dtype,
+                             DType param_dtype, const ParallelFor& parallel_for) {
   check_sizes("layer_norm_backward", rows, cols);
   check_param_dtype("layer_norm_backward", dtype, param_dtype);
   if ((dgamma && !gamma) || (dbeta && !beta))
     fail("layer_norm_backward: dgamma/dbeta requested without gamma/beta");
+  if (saved_is_output && !subtract_mean)
+    fail("layer_norm_backward: saved_is_output needs subtract_mean");
+  if (dbeta && !subtract_mean) fail("layer_norm_backward: no beta without subtract_mean");
   const bool want_params = dgamma || dbeta;
   if (want_params && !workspace) fail("layer_norm_backward: workspace is null");
   dispatch2(dtype, param_dtype, [&](auto t, auto p) {
@@ -117,20 +123,26 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
           const A rs = static_cast<const A*>(rstd)[r];
           cpu::load(static_cast<const T*>(dy) + r * cols, d, cols);
           cpu::load(static_cast<const T*>(saved) + r * cols, xh, cols);
+          const A mu = saved_is_output ? A(0) : static_cast<const A*>(mean)[r];
+          if (want_params && !subtract_mean) {  // dgamma = sum dy * x * rstd, before xh is xhat
+            for (int64_t j = 0; j < cols; ++j) pg[j] += d[j] * xh[j] * rs;
+          }
           if (saved_is_output) {
             for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - b[j]) / g[j];
           } else {
-            const A mu = static_cast<const A*>(mean)[r];
             for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - mu) * rs;
           }
           for (int64_t j = 0; j < cols; ++j) gd[j] = d[j] * g[j];
           const A mg = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j]; }) / A(cols);
           const A mgx = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j] * xh[j]; }) / A(cols);
-          if (want_params) {
+          if (want_params && subtract_mean) {
             for (int64_t j = 0; j < cols; ++j) pg[j] += d[j] * xh[j];
             for (int64_t j = 0; j < cols; ++j) pb[j] += d[j];
           }
-          for (int64_t j = 0; j < cols; ++j) gd[j] = rs * (gd[j] - mg - xh[j] * mgx);
+          // Standard: dx = rstd (g - mean(g) - xhat mean(g xhat)); scale-only: see layer_norm.h.
+          const A k_mean = subtract_mean ? mg : A(0);
+          const A k_xhat = subtract_mean ? mgx : mgx + mu * rs * mg;
+          for (int64_t j = 0; j < cols; ++j) gd[j] = rs * (gd[j] - k_mean - xh[j] * k_xhat);
           cpu::store(gd, static_cast<T*>(dx) + r * cols, cols);
         }
       }

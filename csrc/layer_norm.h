@@ -8,6 +8,10 @@
 //   dx = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))
 //   dgamma = sum_rows dy * xhat,  dbeta = sum_rows dy
 //
+// With subtract_mean = false (Keras' LayerNormalization(rms_scaling=True), whose code scales by
+// the centered variance and adds no beta): y = x * rstd * gamma, and
+//   dx = rstd * (g - xhat * (mean_j(g * xhat) + mean * rstd * mean_j(g))),  dgamma = sum dy * x * rstd
+//
 // Dtypes: x, y, dy, dx share `dtype` (float32, float64, float16, bfloat16). gamma/beta/dgamma/dbeta
 // share `param_dtype`, which is `dtype`, or float32 for float16/bfloat16 x. mean/rstd are float32 (float64 when dtype is
 // float64). Statistics and sums accumulate in float32 (float64 for float64). The variance is taken
@@ -23,19 +27,21 @@ namespace fusedlayers {
 // x, y: rows x cols; gamma, beta: cols or nullptr; mean, rstd: rows. rows >= 0, cols >= 1.
 void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, void* y,
                             void* mean, void* rstd, int64_t rows, int64_t cols, double eps,
-                            DType dtype, DType param_dtype, const ParallelFor& parallel_for);
+                            bool subtract_mean, DType dtype, DType param_dtype,
+                            const ParallelFor& parallel_for);
 
 // Bytes of workspace layer_norm_backward_cpu needs: per-chunk partial dgamma/dbeta sums.
 size_t layer_norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype);
 
 // saved: x, or y when `saved_is_output` (Apex's memory_efficient mode: xhat = (y - beta) / gamma,
-// which requires gamma to have no zeros). mean is unused when saved_is_output.
+// which requires gamma to have no zeros; not with subtract_mean = false). mean is unused when
+// saved_is_output.
 // dgamma (dbeta) may be nullptr when gamma (beta) is absent; they are fully written otherwise,
 // also for rows == 0. The result does not depend on how parallel_for splits the work.
 void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean,
                              const void* rstd, const void* gamma, const void* beta, void* dx,
                              void* dgamma, void* dbeta, void* workspace, int64_t rows,
-                             int64_t cols, bool saved_is_output, DType dtype, DType param_dtype,
-                             const ParallelFor& parallel_for);
+                             int64_t cols, bool saved_is_output, bool subtract_mean, DType dtype,
+                             DType param_dtype, const ParallelFor& parallel_for);
 
 }  // namespace fusedlayers

@@ -1,5 +1,6 @@
-"""Where the compiled parts come from: the source files and flags of the PyTorch extension,
-shared by setup.py and the just-in-time build so the two can never disagree. Imports no torch."""
+"""Where the compiled parts come from: the source files and flags of the PyTorch extension and
+of the TensorFlow op library, shared by setup.py and the just-in-time builds so the two can never
+disagree. Imports no framework."""
 
 from pathlib import Path
 
@@ -14,3 +15,8 @@ CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errn
 def torch_sources(root: Path = ROOT) -> list[Path]:
     """The csrc kernels and the torch binding, compiled together into one library."""
     return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/torch/*.cpp")])
+
+
+def tensorflow_sources(root: Path = ROOT) -> list[Path]:
+    """The same csrc kernels and the TensorFlow binding, compiled into the TF op library."""
+    return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/tensorflow/*.cc")])

@@ -67,11 +67,13 @@ std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_op(
     const at::Tensor& input, at::IntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    bool /*memory_efficient: read by autograd only*/) {
+    bool /*memory_efficient: read by autograd only*/, bool subtract_mean) {
   const auto [rows, cols] =
       check_layer_norm_args("layer_norm", input, normalized_shape, weight, bias);
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
                     "fusedlayers.layer_norm: eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK_VALUE(subtract_mean || !bias,
+                    "fusedlayers.layer_norm: bias must be None when subtract_mean is False");
   const at::Tensor x = input.contiguous();
   const auto w = contiguous(weight), b = contiguous(bias);
   at::Tensor y = at::empty(x.sizes(), x.options());
@@ -81,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_op(
   at::Tensor rstd = at::empty(stat_shape, x.options().dtype(stat_dtype));
   call_csrc([&] {
     layer_norm_forward_cpu(x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
-                           mean.data_ptr(), rstd.data_ptr(), rows, cols, eps,
+                           mean.data_ptr(), rstd.data_ptr(), rows, cols, eps, subtract_mean,
                            to_dtype(x.scalar_type()), param_dtype(x, w, b), aten_parallel_for());
   });
   return {y, mean, rstd};
@@ -91,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_op(
     const at::Tensor& grad_out, const at::Tensor& saved, const at::Tensor& mean,
     const at::Tensor& rstd, at::IntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    bool memory_efficient) {
+    bool memory_efficient, bool subtract_mean) {
   const auto [rows, cols] =
       check_layer_norm_args("layer_norm_backward", saved, normalized_shape, weight, bias);
   TORCH_CHECK_VALUE(grad_out.sizes() == saved.sizes() &&
@@ -120,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_op(
                             rs.data_ptr(), ptr_or_null(w), ptr_or_null(b), dx.data_ptr(),
                             w ? dw.data_ptr() : nullptr, b ? db.data_ptr() : nullptr,
                             ws.defined() ? ws.data_ptr() : nullptr, rows, cols, memory_efficient,
-                            dtype, param_dtype(s, w, b), aten_parallel_for());
+                            subtract_mean, dtype, param_dtype(s, w, b), aten_parallel_for());
   });
   return {dx, dw, db};
 }

@@ -7,16 +7,18 @@ TORCH_LIBRARY(fusedlayers, m) {
   m.def("relu_scale(Tensor x, float alpha) -> Tensor");
   m.def("relu_scale_backward(Tensor grad_out, Tensor x, float alpha) -> Tensor");
   // mean/rstd have the leading (unnormalized) shape of input; memory_efficient only tells
-  // autograd to save the output instead of the input.
+  // autograd to save the output instead of the input; subtract_mean=False is Keras'
+  // rms_scaling (y = x * rstd * weight, see csrc/layer_norm.h).
   m.def(
       "layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
-      "float eps, bool memory_efficient) -> (Tensor out, Tensor mean, Tensor rstd)");
+      "float eps, bool memory_efficient=False, bool subtract_mean=True) "
+      "-> (Tensor out, Tensor mean, Tensor rstd)");
   // saved is the input, or the output when memory_efficient; grad_weight/grad_bias are empty
   // when weight/bias are None.
   m.def(
       "layer_norm_backward(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, "
-      "SymInt[] normalized_shape, Tensor? weight, Tensor? bias, bool memory_efficient) "
-      "-> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+      "SymInt[] normalized_shape, Tensor? weight, Tensor? bias, bool memory_efficient=False, "
+      "bool subtract_mean=True) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // pre is the pre-activation input @ weight^T + bias, kept for the backward.
   m.def(
       "linear_gelu(Tensor input, Tensor weight, Tensor? bias, str approximate) "

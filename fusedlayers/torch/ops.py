@@ -69,6 +69,22 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
                                             bool(memory_efficient))[0]
 
 
+def dense_gelu(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None = None,
+               approximate: str = "none") -> torch.Tensor:
+    """gelu(x @ kernel + bias) with a Keras Dense kernel (in_features, out_features)."""
+    return linear_gelu(x, kernel.t(), bias, approximate)
+
+
+def layer_norm_trailing(x: torch.Tensor, norm_ndims: int, gamma: torch.Tensor | None = None,
+                        beta: torch.Tensor | None = None, eps: float = 1e-5,
+                        subtract_mean: bool = True) -> torch.Tensor:
+    """Normalizes the trailing norm_ndims dims; subtract_mean=False is Keras' rms_scaling."""
+    _require()
+    shape = list(x.shape[x.dim() - norm_ndims:])
+    return torch.ops.fusedlayers.layer_norm(x, shape, gamma, beta, float(eps), False,
+                                            subtract_mean)[0]
+
+
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -87,13 +103,14 @@ def _register() -> None:
         return x.new_empty(x.shape)
 
     @fake(lib + "layer_norm")
-    def _(x, normalized_shape, weight, bias, eps, memory_efficient):
+    def _(x, normalized_shape, weight, bias, eps, memory_efficient=False, subtract_mean=True):
         stat_shape = x.shape[:x.dim() - len(normalized_shape)]
         return (x.new_empty(x.shape), x.new_empty(stat_shape, dtype=_stat_dtype(x)),
                 x.new_empty(stat_shape, dtype=_stat_dtype(x)))
 
     @fake(lib + "layer_norm_backward")
-    def _(grad_out, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient):
+    def _(grad_out, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=False,
+          subtract_mean=True):
         return (saved.new_empty(saved.shape),
                 saved.new_empty(0) if weight is None else weight.new_empty(weight.shape),
                 saved.new_empty(0) if bias is None else bias.new_empty(bias.shape))
@@ -120,7 +137,7 @@ def _register() -> None:
     autograd(lib + "relu_scale", relu_scale_backward, setup_context=relu_scale_setup)
 
     def layer_norm_setup(ctx, inputs, output):
-        x, ctx.normalized_shape, weight, bias, _, ctx.memory_efficient = inputs
+        x, ctx.normalized_shape, weight, bias, _, ctx.memory_efficient, ctx.subtract_mean = inputs
         y, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
         ctx.save_for_backward(y if ctx.memory_efficient else x, mean, rstd, weight, bias)
@@ -128,9 +145,10 @@ def _register() -> None:
     def layer_norm_backward(ctx, grad, _grad_mean, _grad_rstd):
         saved, mean, rstd, weight, bias = ctx.saved_tensors
         dx, dw, db = torch.ops.fusedlayers.layer_norm_backward(
-            grad, saved, mean, rstd, ctx.normalized_shape, weight, bias, ctx.memory_efficient)
+            grad, saved, mean, rstd, ctx.normalized_shape, weight, bias, ctx.memory_efficient,
+            ctx.subtract_mean)
         return (dx, None, None if weight is None else dw, None if bias is None else db,
-                None, None)
+                None, None, None)
 
     autograd(lib + "layer_norm", layer_norm_backward, setup_context=layer_norm_setup)
 

@@ -1,0 +1,6 @@
+"""fusedlayers for Keras 3: FusedReLUScale, FusedLinearGELU and LayerNorm, drop-in for the
+Keras layers they replace, on the TensorFlow or the torch backend."""
+
+from .layers import FusedLinearGELU, FusedReLUScale, LayerNorm
+
+__all__ = ["FusedLinearGELU", "FusedReLUScale", "LayerNorm"]

@@ -1,0 +1,93 @@
+"""Builds and loads the TensorFlow op library `fusedlayers/_tf_ops.so`: the csrc kernels and the
+TF binding compiled with TensorFlow's own flags (tf.sysconfig), C++17 last on the line as TF
+2.21 needs, csrc symbols hidden so the torch extension in the same process cannot bind them.
+setup.py calls build(); with FUSEDLAYERS_JIT=1, load() builds into a cache on first use."""
+
+import concurrent.futures
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .. import _sources
+
+BUILD_COMMAND = "pip install --no-build-isolation -e ."
+LIBRARY = Path(__file__).resolve().parent.parent / "_tf_ops.so"
+
+
+class OpLibraryNotBuiltError(RuntimeError):
+    """The fusedlayers TensorFlow op library is missing or cannot be loaded."""
+
+
+def build(output: Path, verbose: bool = False) -> None:
+    """Compiles the sources (in parallel) and links the op library at `output`."""
+    import tensorflow as tf
+
+    cflags = ["-O3", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size", *_sources.CXX_FLAGS,
+              f"-I{_sources.ROOT}", *tf.sysconfig.get_compile_flags(), "-std=c++17"]
+    sources = _sources.tensorflow_sources()
+    if not sources:
+        raise OpLibraryNotBuiltError(f"fusedlayers: no TensorFlow sources under {_sources.ROOT}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = [Path(tmp) / f"{i}_{src.stem}.o" for i, src in enumerate(sources)]
+
+        def compile_one(pair):
+            src, obj = pair
+            cmd = ["g++", *cflags, "-c", str(src), "-o", str(obj)]
+            if verbose:
+                print(" ".join(cmd))
+            subprocess.run(cmd, check=True)
+
+        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(compile_one, zip(sources, objects)))
+        link = ["g++", "-shared", "-o", str(output), *map(str, objects),
+                *tf.sysconfig.get_link_flags()]
+        if verbose:
+            print(" ".join(link))
+        subprocess.run(link, check=True)
+
+
+def _jit_library() -> Path:
+    """The op library built for these sources and this TensorFlow, cached by content hash."""
+    import tensorflow as tf
+
+    digest = hashlib.sha256(tf.__version__.encode())
+    for src in sorted(_sources.tensorflow_sources() + list(_sources.ROOT.glob("csrc/*.h")) +
+                      list(_sources.ROOT.glob("backends/tensorflow/*.h"))):
+        digest.update(src.read_bytes())
+    cache = Path(os.environ.get("FUSEDLAYERS_CACHE", Path.home() / ".cache" / "fusedlayers"))
+    path = cache / f"tf_ops_{digest.hexdigest()[:16]}.so"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        build(tmp, verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1")
+        tmp.replace(path)  # atomic: a concurrent process sees a whole library or none
+    return path
+
+
+def load():
+    """The loaded op library module (tf.load_op_library), or raises OpLibraryNotBuiltError."""
+    import tensorflow as tf
+
+    if os.environ.get("FUSEDLAYERS_JIT") == "1":
+        try:
+            path = _jit_library()
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise OpLibraryNotBuiltError(
+                f"fusedlayers: the just-in-time TensorFlow build (FUSEDLAYERS_JIT=1) failed: {e}"
+            ) from e
+    else:
+        path = LIBRARY
+        if not path.exists():
+            raise OpLibraryNotBuiltError(
+                f"fusedlayers: the TensorFlow op library is not built ({path} is missing). "
+                f"Build it with `{BUILD_COMMAND}` with tensorflow installed, or set "
+                f"FUSEDLAYERS_JIT=1 to compile it on first use.")
+    try:
+        return tf.load_op_library(str(path))
+    except tf.errors.NotFoundError as e:
+        raise OpLibraryNotBuiltError(
+            f"fusedlayers: the TensorFlow op library {path} does not load with TensorFlow "
+            f"{tf.__version__} ({e.message}). Rebuild it with `{BUILD_COMMAND}`.") from e
