@@ -14,8 +14,11 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from fusedlayers import __version__, _sources  # noqa: E402  (imports no framework)
 
+import os
+
 try:
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 except ImportError:
     sys.exit("fusedlayers: building needs torch installed first (pip install torch), then "
              "`pip install --no-build-isolation -e .` so the build can see it.")
@@ -38,12 +41,19 @@ class BuildWithTensorFlow(BuildExtension):
         _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
 
 
-extension = CppExtension(
-    "fusedlayers._C",
-    sources=[str(p.relative_to(ROOT)) for p in _sources.torch_sources(ROOT)],
-    include_dirs=[str(ROOT)],
-    extra_compile_args=_sources.CXX_FLAGS,
-)
+cuda, why = _sources.use_cuda(torch.version.cuda, CUDA_HOME, os.environ)
+print(f"fusedlayers: {'building' if cuda else 'not building'} the CUDA kernels ({why})")
+sources = [str(p.relative_to(ROOT)) for p in _sources.torch_sources(ROOT, cuda)]
+if cuda:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
+    extension = CUDAExtension(
+        "fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
+        libraries=_sources.CUDA_LIBRARIES,
+        extra_compile_args={"cxx": [*_sources.CXX_FLAGS, _sources.CUDA_DEFINE],
+                            "nvcc": [*_sources.NVCC_FLAGS, _sources.CUDA_DEFINE]})
+else:
+    extension = CppExtension("fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
+                             extra_compile_args=_sources.CXX_FLAGS)
 
 setup(
     name="fusedlayers",

@@ -32,4 +32,15 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
                             void* workspace, int64_t rows, int64_t cols, GeluApprox approx,
                             DType dtype, const ParallelFor& parallel_for);
 
+// CUDA: the same contract on device pointers, launched on `stream` of the current device, for
+// float32/float16/bfloat16. 16-byte vectors when cols and the pointers allow it.
+void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y, int64_t rows,
+                            int64_t cols, GeluApprox approx, DType dtype, cudaStream_t stream);
+
+size_t bias_gelu_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype);
+
+void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* dbias,
+                             void* workspace, int64_t rows, int64_t cols, GeluApprox approx,
+                             DType dtype, cudaStream_t stream);
+
 }  // namespace fusedlayers

@@ -7,6 +7,10 @@
 #include <stdexcept>
 #include <string>
 
+// The CUDA stream type, declared exactly as the CUDA runtime declares it, so headers can name
+// CUDA entry points without pulling CUDA headers into CPU-only builds.
+typedef struct CUstream_st* cudaStream_t;
+
 namespace fusedlayers {
 
 enum class DType { kFloat32, kFloat64, kFloat16, kBFloat16 };

@@ -44,4 +44,21 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
                              int64_t cols, bool saved_is_output, bool subtract_mean, DType dtype,
                              DType param_dtype, const ParallelFor& parallel_for);
 
+// CUDA: the same contract on device pointers, launched on `stream` of the current device, for
+// float32/float16/bfloat16 x (float64 is CPU only). Rows are held in registers and split over a
+// warp or a block by width (see the table in layer_norm_cuda.cu); dgamma/dbeta come from per-group
+// partials in the workspace reduced in a fixed order, so repeated runs are bitwise equal.
+void layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
+                             void* mean, void* rstd, int64_t rows, int64_t cols, double eps,
+                             bool subtract_mean, DType dtype, DType param_dtype,
+                             cudaStream_t stream);
+
+size_t layer_norm_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype);
+
+void layer_norm_backward_cuda(const void* dy, const void* saved, const void* mean,
+                              const void* rstd, const void* gamma, const void* beta, void* dx,
+                              void* dgamma, void* dbeta, void* workspace, int64_t rows,
+                              int64_t cols, bool saved_is_output, bool subtract_mean,
+                              DType dtype, DType param_dtype, cudaStream_t stream);
+
 }  // namespace fusedlayers

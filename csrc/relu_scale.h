@@ -18,4 +18,11 @@ void relu_scale_forward_cpu(const void* x, void* y, int64_t n, double alpha, DTy
 void relu_scale_backward_cpu(const void* dy, const void* x, void* dx, int64_t n, double alpha,
                              DType dtype, const ParallelFor& parallel_for);
 
+// CUDA: the same contract on device pointers, launched on `stream` of the current device.
+// 16-byte vector accesses when x, y (and dy, dx) are 16-byte aligned; 64-bit indexing.
+void relu_scale_forward_cuda(const void* x, void* y, int64_t n, double alpha, DType dtype,
+                             cudaStream_t stream);
+void relu_scale_backward_cuda(const void* dy, const void* x, void* dx, int64_t n, double alpha,
+                              DType dtype, cudaStream_t stream);
+
 }  // namespace fusedlayers

@@ -1,5 +1,5 @@
-"""`python -m fusedlayers info` reports which backends are built and usable, for which devices,
-and why not; `python -m fusedlayers bench` times fused against unfused ops (fusedlayers.bench)."""
+"""`python -m fusedlayers info` reports which backends (torch extension, TensorFlow op library)
+are built and usable, for which devices, and why not; `python -m fusedlayers bench` times fused against unfused ops (fusedlayers.bench)."""
 
 import argparse
 import importlib.util
@@ -7,26 +7,47 @@ import platform
 import sys
 
 
-def info() -> int:
-    import fusedlayers
-    print(f"fusedlayers {fusedlayers.__version__}, Python {platform.python_version()}")
+def _torch_info() -> bool:
     if importlib.util.find_spec("torch") is None:
         print("torch: not installed")
-        return 0
+        return True
     import torch
     from fusedlayers.torch import ops
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     if ops._LOAD_ERROR is not None:
         print(f"  extension: not usable: {ops._LOAD_ERROR}")
-        return 1
-    kernels = {key for key in ("CPU", "CUDA")
-               if torch._C._dispatch_has_kernel_for_dispatch_key("fusedlayers::layer_norm", key)}
-    print(f"  extension: loaded; kernels for {', '.join(sorted(kernels))}")
+        return False
+    kernels = [key for key in ("CPU", "CUDA")
+               if torch._C._dispatch_has_kernel_for_dispatch_key("fusedlayers::layer_norm", key)]
+    print(f"  extension: loaded; kernels for {', '.join(kernels)}"
+          + ("" if "CUDA" in kernels else " (built without CUDA kernels)"))
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             print(f"  cuda:{i} {p.name} sm_{p.major}{p.minor}")
-    return 0
+    return True
+
+
+def _tensorflow_info() -> bool:
+    if importlib.util.find_spec("tensorflow") is None:
+        print("tensorflow: not installed")
+        return True
+    import tensorflow as tf
+    from fusedlayers.tensorflow import ops
+    print(f"tensorflow {tf.__version__}")
+    if ops._LOAD_ERROR is not None:
+        print(f"  op library: not usable: {ops._LOAD_ERROR}")
+        return False
+    print("  op library: loaded; kernels for CPU")
+    return True
+
+
+def info() -> int:
+    import fusedlayers
+    print(f"fusedlayers {fusedlayers.__version__}, Python {platform.python_version()}")
+    ok = _torch_info()
+    ok = _tensorflow_info() and ok
+    return 0 if ok else 1
 
 
 def bench(argv: list[str]) -> int:

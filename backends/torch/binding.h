@@ -10,6 +10,11 @@
 
 #include "csrc/common.h"
 
+#ifdef FUSEDLAYERS_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
 namespace fusedlayers {
 namespace torch_binding {
 
@@ -59,9 +64,16 @@ void call_csrc(Fn&& fn) {
   }
 }
 
+// Workspace from the framework's (caching) allocator on like's device.
 inline at::Tensor workspace(size_t bytes, const at::Tensor& like) {
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
+
+#ifdef FUSEDLAYERS_WITH_CUDA
+// The current stream of the device the caller's CUDAGuard has made current: TORCH_LIBRARY_IMPL
+// kernels get no device guard from the dispatcher, so every CUDA branch takes one first.
+inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+#endif
 
 }  // namespace torch_binding
 }  // namespace fusedlayers

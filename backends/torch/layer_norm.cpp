@@ -1,4 +1,5 @@
-// PyTorch CPU implementation of fusedlayers::layer_norm{,_backward}: checks, allocation, csrc call.
+// PyTorch CPU and CUDA implementation of fusedlayers::layer_norm{,_backward}: checks, allocation,
+// csrc call.
 #include "backends/torch/binding.h"
 #include "csrc/layer_norm.h"
 
@@ -81,6 +82,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_op(
   const auto stat_shape = x.sizes().slice(0, x.dim() - normalized_shape.size());
   at::Tensor mean = at::empty(stat_shape, x.options().dtype(stat_dtype));
   at::Tensor rstd = at::empty(stat_shape, x.options().dtype(stat_dtype));
+#ifdef FUSEDLAYERS_WITH_CUDA
+  if (x.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    call_csrc([&] {
+      layer_norm_forward_cuda(x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
+                              mean.data_ptr(), rstd.data_ptr(), rows, cols, eps, subtract_mean,
+                              to_dtype(x.scalar_type()), param_dtype(x, w, b), current_stream());
+    });
+    return {y, mean, rstd};
+  }
+#endif
   call_csrc([&] {
     layer_norm_forward_cpu(x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
                            mean.data_ptr(), rstd.data_ptr(), rows, cols, eps, subtract_mean,
@@ -108,6 +120,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_op(
                     "fusedlayers.layer_norm_backward: mean/rstd must hold ", rows, " ",
                     stat_dtype, " values, got ", mean.numel(), " ", mean.scalar_type(), " and ",
                     rstd.numel(), " ", rstd.scalar_type());
+  check_same_device("layer_norm_backward", "grad_out", grad_out, "saved", saved);
+  check_same_device("layer_norm_backward", "rstd", rstd, "saved", saved);
   const at::Tensor dy = grad_out.contiguous(), s = saved.contiguous();
   const at::Tensor mu = mean.contiguous(), rs = rstd.contiguous();
   const auto w = contiguous(weight), b = contiguous(bias);
@@ -116,6 +130,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_op(
   at::Tensor db = b ? at::empty(b->sizes(), b->options()) : at::empty({0}, s.options());
   const DType dtype = to_dtype(s.scalar_type());
   at::Tensor ws;
+#ifdef FUSEDLAYERS_WITH_CUDA
+  if (s.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(s.device());
+    call_csrc([&] {
+      if (w || b) ws = workspace(layer_norm_backward_workspace_size_cuda(rows, cols, dtype), s);
+      layer_norm_backward_cuda(
+          dy.data_ptr(), s.data_ptr(), memory_efficient ? nullptr : mu.data_ptr(), rs.data_ptr(),
+          ptr_or_null(w), ptr_or_null(b), dx.data_ptr(), w ? dw.data_ptr() : nullptr,
+          b ? db.data_ptr() : nullptr, ws.defined() ? ws.data_ptr() : nullptr, rows, cols,
+          memory_efficient, subtract_mean, dtype, param_dtype(s, w, b), current_stream());
+    });
+    return {dx, dw, db};
+  }
+#endif
   call_csrc([&] {
     if (w || b) ws = workspace(layer_norm_backward_workspace_size_cpu(rows, cols, dtype), s);
     layer_norm_backward_cpu(dy.data_ptr(), s.data_ptr(), memory_efficient ? nullptr : mu.data_ptr(),
@@ -133,6 +161,13 @@ TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
   m.impl("layer_norm", &layer_norm_op);
   m.impl("layer_norm_backward", &layer_norm_backward_op);
 }
+
+#ifdef FUSEDLAYERS_WITH_CUDA
+TORCH_LIBRARY_IMPL(fusedlayers, CUDA, m) {
+  m.impl("layer_norm", &layer_norm_op);
+  m.impl("layer_norm_backward", &layer_norm_backward_op);
+}
+#endif
 
 }  // namespace torch_binding
 }  // namespace fusedlayers

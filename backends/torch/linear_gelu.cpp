@@ -1,9 +1,11 @@
-// PyTorch CPU implementation of fusedlayers::linear_gelu{,_backward}. The GEMMs are ATen's: the
-// forward adds the bias inside the GEMM (at::addmm, as nn.Linear does, so pre is bit-identical
-// to the unfused layer's output) and csrc applies GELU; the backward's GELU gradient and dbias
-// are one csrc pass, dgrad and wgrad are at::mm.
+// PyTorch implementation of fusedlayers::linear_gelu{,_backward}.
+// CPU: the GEMMs are ATen's: the forward adds the bias inside the GEMM (at::addmm, as nn.Linear
+// does, so pre is bit-identical to the unfused layer's output) and csrc applies GELU; the
+// backward's GELU gradient and dbias are one csrc pass, dgrad and wgrad are at::mm.
+// CUDA: csrc runs everything on cuBLASLt with ATen's handle and workspace (csrc/linear_gelu.h).
 #include "backends/torch/binding.h"
 #include "csrc/bias_gelu.h"
+#include "csrc/linear_gelu.h"
 
 namespace fusedlayers {
 namespace torch_binding {
@@ -51,6 +53,13 @@ std::vector<int64_t> out_shape(const at::Tensor& input, int64_t out_features) {
   return shape;
 }
 
+#ifdef FUSEDLAYERS_WITH_CUDA
+LtContext lt_context() {
+  return {at::cuda::getCurrentCUDABlasLtHandle(), at::cuda::getCUDABlasLtWorkspace(),
+          at::cuda::getCUDABlasLtWorkspaceSize(), current_stream()};
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> linear_gelu_op(const at::Tensor& input,
                                                   const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias,
@@ -58,6 +67,22 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu_op(const at::Tensor& input,
   const GeluApprox approx = parse_approximate("linear_gelu", approximate);
   check_linear_args("linear_gelu", input, weight, bias ? &*bias : nullptr);
   const int64_t out_features = weight.size(0);
+  const auto shape = out_shape(input, out_features);
+#ifdef FUSEDLAYERS_WITH_CUDA
+  if (input.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(input.device());
+    const at::Tensor x = as_2d(input).contiguous(), w = weight.contiguous();
+    const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+    at::Tensor pre = at::empty({x.size(0), out_features}, x.options());
+    at::Tensor y = at::empty_like(pre);
+    call_csrc([&] {
+      linear_gelu_forward_cuda(x.data_ptr(), w.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
+                               pre.data_ptr(), y.data_ptr(), x.size(0), out_features, x.size(1),
+                               approx, to_dtype(x.scalar_type()), lt_context());
+    });
+    return {y.view(shape), pre.view(shape)};
+  }
+#endif
   const at::Tensor x2d = as_2d(input);
   at::Tensor pre = bias ? at::addmm(*bias, x2d, weight.t()) : at::mm(x2d, weight.t());
   at::Tensor y = at::empty_like(pre);
@@ -66,7 +91,6 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu_op(const at::Tensor& input,
                           out_features, approx, to_dtype(pre.scalar_type()),
                           aten_parallel_for());
   });
-  const auto shape = out_shape(input, out_features);
   return {y.view(shape), pre.view(shape)};
 }
 
@@ -87,9 +111,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
   const int64_t dpre_rows = c10::multiply_integers(input.sizes().slice(0, input.dim() - 1));
   const at::Tensor dy = grad_out.contiguous().view({dpre_rows, out_features});
   const at::Tensor p = pre.contiguous().view({dpre_rows, out_features});
-  at::Tensor dpre = at::empty_like(p);
   at::Tensor dbias = at::empty({has_bias ? out_features : 0}, p.options());
   const DType dtype = to_dtype(p.scalar_type());
+#ifdef FUSEDLAYERS_WITH_CUDA
+  if (p.is_cuda()) {
+    check_same_device("linear_gelu_backward", "grad_out", grad_out, "input", input);
+    const c10::cuda::CUDAGuard guard(p.device());
+    const at::Tensor x = as_2d(input).contiguous(), w = weight.contiguous();
+    at::Tensor grad_input = at::empty(input.sizes(), x.options());
+    at::Tensor grad_weight = at::empty(weight.sizes(), w.options());
+    call_csrc([&] {
+      const at::Tensor ws = workspace(
+          linear_gelu_backward_workspace_size_cuda(dpre_rows, out_features, dtype), p);
+      linear_gelu_backward_cuda(dy.data_ptr(), x.data_ptr(), w.data_ptr(), p.data_ptr(),
+                                grad_input.data_ptr(), grad_weight.data_ptr(),
+                                has_bias ? dbias.data_ptr() : nullptr, ws.data_ptr(), dpre_rows,
+                                out_features, weight.size(1), approx, dtype, lt_context());
+    });
+    return {grad_input, grad_weight, dbias};
+  }
+#endif
+  at::Tensor dpre = at::empty_like(p);
   at::Tensor ws;
   call_csrc([&] {
     if (has_bias)
@@ -110,6 +152,13 @@ TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
   m.impl("linear_gelu", &linear_gelu_op);
   m.impl("linear_gelu_backward", &linear_gelu_backward_op);
 }
+
+#ifdef FUSEDLAYERS_WITH_CUDA
+TORCH_LIBRARY_IMPL(fusedlayers, CUDA, m) {
+  m.impl("linear_gelu", &linear_gelu_op);
+  m.impl("linear_gelu_backward", &linear_gelu_backward_op);
+}
+#endif
 
 }  // namespace torch_binding
 }  // namespace fusedlayers

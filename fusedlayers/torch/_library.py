@@ -19,7 +19,8 @@ class ExtensionNotBuiltError(RuntimeError):
 def _jit_build() -> None:
     from torch.utils import cpp_extension
 
-    sources = _sources.torch_sources()
+    cuda, _ = _sources.use_cuda(torch.version.cuda, cpp_extension.CUDA_HOME, os.environ)
+    sources = _sources.torch_sources(cuda=cuda)
     if not sources:
         raise ExtensionNotBuiltError(
             f"fusedlayers: FUSEDLAYERS_JIT=1 needs the source checkout, but no sources were found "
@@ -28,7 +29,10 @@ def _jit_build() -> None:
         name="fusedlayers_torch",
         sources=[str(p) for p in sources],
         extra_include_paths=[str(_sources.ROOT)],
-        extra_cflags=_sources.CXX_FLAGS,
+        extra_cflags=[*_sources.CXX_FLAGS, *([_sources.CUDA_DEFINE] if cuda else [])],
+        extra_cuda_cflags=[*_sources.NVCC_FLAGS, _sources.CUDA_DEFINE],
+        extra_ldflags=[f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else [],
+        with_cuda=cuda,
         is_python_module=False,
         verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1",
     )

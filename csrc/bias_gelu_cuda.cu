@@ -1,0 +1,203 @@
+// CUDA bias + GELU epilogue (math: bias_gelu.h). Phi comes from normcdff, accurate in both
+// tails; the tanh form is written as a sigmoid, 1 / (1 + e^{-2z}), to avoid cancellation.
+// dbias: each block sums a slab of rows per column into the workspace, then the slabs are
+// summed per column in slab order, so results are reproducible.
+#include <algorithm>
+
+#include "bias_gelu.h"
+#include "cuda_common.cuh"
+
+namespace fusedlayers {
+namespace {
+
+using cuda::from_acc;
+using cuda::to_acc;
+using A = float;
+
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+constexpr float kCoeff = 0.044715f;
+
+__device__ __forceinline__ A gelu(A u, bool tanh_form) {
+  if (tanh_form) {
+    const A z = kSqrt2OverPi * (u + kCoeff * u * u * u);
+    return u / (A(1) + expf(A(-2) * z));
+  }
+  return u * normcdff(u);
+}
+
+__device__ __forceinline__ A gelu_grad(A u, bool tanh_form) {
+  if (tanh_form) {
+    const A z = kSqrt2OverPi * (u + kCoeff * u * u * u);
+    const A s = A(1) / (A(1) + expf(A(-2) * z));
+    return s + A(2) * u * s * (A(1) - s) * kSqrt2OverPi * (A(1) + A(3) * kCoeff * u * u);
+  }
+  return normcdff(u) + u * kInvSqrt2Pi * expf(A(-0.5) * u * u);
+}
+
+// Vectors of N never straddle rows (cols % N == 0), so a vector's bias is contiguous too.
+// pre == nullptr: h is already the pre-activation (no bias) and is not written again.
+template <typename T, int N>
+__global__ void forward_kernel(const T* __restrict__ h, const T* __restrict__ bias,
+                               T* __restrict__ pre, T* __restrict__ y, int64_t n, int64_t cols,
+                               bool tanh_form) {
+  using V = cuda::Vec<T, N>;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n / N; i += stride) {
+    const V in = reinterpret_cast<const V*>(h)[i];
+    const int64_t c = bias ? (i * N) % cols : 0;  // 64-bit modulo is slow: only when needed
+    V p, out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      // The unfused layer rounds the linear output to T before GELU: so do we.
+      p.v[k] = from_acc<T>(to_acc(in.v[k]) + (bias ? A(to_acc(bias[c + k])) : A(0)));
+      out.v[k] = from_acc<T>(gelu(to_acc(p.v[k]), tanh_form));
+    }
+    if (pre) reinterpret_cast<V*>(pre)[i] = p;
+    reinterpret_cast<V*>(y)[i] = out;
+  }
+}
+
+// Block (32, 8): x picks a vector of columns, y strides over this block's slab of rows.
+template <typename T, int N>
+__global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ pre,
+                                T* __restrict__ dpre, A* __restrict__ partial, int64_t rows,
+                                int64_t cols, int64_t rows_per_slab, bool tanh_form) {
+  using V = cuda::Vec<T, N>;
+  __shared__ A smem[8][32 * N + 1];
+  const int64_t c = (int64_t(blockIdx.x) * 32 + threadIdx.x) * N;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_slab;
+  const int64_t r1 = r0 + rows_per_slab < rows ? r0 + rows_per_slab : rows;
+  A acc[N] = {};
+  if (c < cols) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      const V g = *reinterpret_cast<const V*>(dy + r * cols + c);
+      const V u = *reinterpret_cast<const V*>(pre + r * cols + c);
+      V out;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        out.v[k] = from_acc<T>(to_acc(g.v[k]) * gelu_grad(to_acc(u.v[k]), tanh_form));
+        acc[k] += to_acc(out.v[k]);  // dbias sums the rounded dpre, as the unfused layer does
+      }
+      *reinterpret_cast<V*>(dpre + r * cols + c) = out;
+    }
+  }
+  if (!partial) return;
+#pragma unroll
+  for (int k = 0; k < N; ++k) smem[threadIdx.y][threadIdx.x * N + k] = acc[k];
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    A s = 0;
+    for (int j = 0; j < 8; ++j) s += smem[j][threadIdx.x * N + k];  // fixed order
+    partial[int64_t(blockIdx.y) * cols + c + k] = s;
+  }
+}
+
+template <typename T>
+__global__ void reduce_slabs_kernel(const A* __restrict__ partial, int64_t slabs, int64_t cols,
+                                    T* __restrict__ dbias) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  A s = 0;
+  for (int64_t j = 0; j < slabs; ++j) s += partial[j * cols + c];
+  dbias[c] = from_acc<T>(s);
+}
+
+constexpr int kThreads = 256;
+
+void check_args(const char* op, int64_t rows, int64_t cols, DType dtype) {
+  if (rows < 0 || cols < 0)
+    fail(std::string(op) + ": rows and cols must be >= 0, got " + std::to_string(rows) + " x " +
+         std::to_string(cols));
+  if (dtype == DType::kFloat64) fail(std::string(op) + ": float64 is not supported on CUDA");
+}
+
+// Slabs of rows for dbias: enough blocks to fill the device, whatever the width.
+int64_t num_slabs(int64_t rows, int64_t cols, int n) {
+  const int64_t col_blocks = (cols + 32 * n - 1) / (32 * n);
+  const int64_t wanted = std::max<int64_t>(1, int64_t(cuda::sm_count()) * 8 / col_blocks);
+  return std::max<int64_t>(1, std::min(wanted, (rows + 7) / 8));
+}
+
+template <typename Fn>
+void dispatch_half_float(DType dtype, Fn&& fn) {
+  cuda::dispatch(dtype, [&](auto t) {
+    if constexpr (std::is_same_v<decltype(t), double>) {
+      fail("bias_gelu: float64 is not supported on CUDA");
+    } else {
+      fn(t);
+    }
+  });
+}
+
+}  // namespace
+
+void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y, int64_t rows,
+                            int64_t cols, GeluApprox approx, DType dtype, cudaStream_t stream) {
+  check_args("bias_gelu", rows, cols, dtype);
+  const int64_t n = rows * cols;
+  if (n == 0) return;
+  dispatch_half_float(dtype, [&](auto t) {
+    using T = decltype(t);
+    constexpr int N = 16 / sizeof(T);
+    const bool vec = cols % N == 0 && cuda::aligned(h, 16) && cuda::aligned(pre, 16) &&
+                     cuda::aligned(y, 16);
+    const int64_t work = vec ? n / N : n;
+    const int64_t blocks = std::min<int64_t>((work + kThreads - 1) / kThreads,
+                                             int64_t(cuda::sm_count()) * 16);
+    // In place without a bias, pre already holds its final value: skip rewriting it.
+    T* pre_out = (pre == h && !bias) ? nullptr : static_cast<T*>(pre);
+    auto args = std::make_tuple(static_cast<const T*>(h), static_cast<const T*>(bias), pre_out,
+                                static_cast<T*>(y), n, cols, approx == GeluApprox::kTanh);
+    if (vec) {
+      std::apply([&](auto... a) { forward_kernel<T, N><<<blocks, kThreads, 0, stream>>>(a...); },
+                 args);
+    } else {
+      std::apply([&](auto... a) { forward_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(a...); },
+                 args);
+    }
+    cuda::check_launch("bias_gelu forward_kernel");
+  });
+}
+
+size_t bias_gelu_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
+  check_args("bias_gelu_backward", rows, cols, dtype);
+  // The widest vectors give the fewest column blocks, hence the most slabs.
+  const int widest = dtype == DType::kFloat32 ? 4 : 8;
+  return size_t(num_slabs(rows, cols, widest)) * size_t(cols) * sizeof(A);
+}
+
+void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* dbias,
+                             void* workspace, int64_t rows, int64_t cols, GeluApprox approx,
+                             DType dtype, cudaStream_t stream) {
+  check_args("bias_gelu_backward", rows, cols, dtype);
+  if (dbias && !workspace) fail("bias_gelu_backward: workspace is null");
+  if (cols == 0) return;
+  dispatch_half_float(dtype, [&](auto t) {
+    using T = decltype(t);
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = cols % kVec == 0 && cuda::aligned(dy, 16) && cuda::aligned(pre, 16) &&
+                     cuda::aligned(dpre, 16);
+    A* partial = dbias ? static_cast<A*>(workspace) : nullptr;
+    auto launch = [&](auto n_tag) {
+      constexpr int N = decltype(n_tag)::value;
+      const int64_t slabs = num_slabs(rows, cols, N);
+      const dim3 grid((cols + 32 * N - 1) / (32 * N), slabs);
+      backward_kernel<T, N><<<grid, dim3(32, 8), 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(pre), static_cast<T*>(dpre), partial,
+          rows, cols, (rows + slabs - 1) / slabs, approx == GeluApprox::kTanh);
+      return slabs;
+    };
+    const int64_t slabs = vec ? launch(std::integral_constant<int, kVec>{})
+                              : launch(std::integral_constant<int, 1>{});
+    cuda::check_launch("bias_gelu backward_kernel");
+    if (!dbias) return;
+    reduce_slabs_kernel<T><<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        partial, slabs, cols, static_cast<T*>(dbias));
+    cuda::check_launch("bias_gelu reduce_slabs_kernel");
+  });
+}
+
+}  // namespace fusedlayers

@@ -1,0 +1,93 @@
+// Shared by the CUDA kernels: error checks that throw fusedlayers::Error, fp32/fp64 math on
+// fp16/bf16 storage, 16-byte vectors, warp and block reductions, the dtype switch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common.h"
+
+namespace fusedlayers {
+namespace cuda {
+
+inline void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    fail(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+// After a launch: configuration errors surface here, not at the next unrelated call.
+inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+inline int sm_count() {
+  int device, count;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute");
+  return count;
+}
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_acc(typename Acc<T>::type v) {
+  return static_cast<T>(v);
+}
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+inline bool aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block (all threads get the result); `smem` holds one A per warp.
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* smem) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = warp_sum(v);
+  __syncthreads();  // smem may still be read by the previous reduction
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  A total = 0;
+  for (int w = 0; w < warps; ++w) total += smem[w];  // same order in every thread
+  return total;
+}
+
+// Calls fn(T{}) with T the CUDA storage type of `dtype`.
+template <typename Fn>
+void dispatch(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: fn(float{}); return;
+    case DType::kFloat64: fn(double{}); return;
+    case DType::kFloat16: fn(__half{}); return;
+    case DType::kBFloat16: fn(__nv_bfloat16{}); return;
+  }
+  fail(std::string("unsupported dtype ") + dtype_name(dtype));
+}
+
+}  // namespace cuda
+}  // namespace fusedlayers

@@ -1,0 +1,201 @@
+"""CUDA kernels against torch eager on the GPU (marked `cuda`; skipped without a CUDA device).
+
+References are computed by torch in float32 (float64 for the fp32 cases' gradients) from the same
+inputs; fp16/bf16 tolerances are calibrated against torch's own half-precision result."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedlayers as fl
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rel_err(a, ref):
+    a, ref = a.double(), ref.double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(ours, torch_own, ref, dtype, what):
+    """ours must be about as close to the reference as torch's own result in this dtype (sums
+    over 32768 rows carry ~1e-5 relative error even in float32)."""
+    err = rel_err(ours, ref)
+    bound = 2 * rel_err(torch_own, ref) + (1e-5 if dtype == torch.float32 else 1e-3)
+    assert err <= bound, f"{what}: relative error {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1, 7, 768, 1000, 1024, 4097, 8192, 12288, 65536])
+@pytest.mark.parametrize("rows", [0, 1, 7, 32768])
+def test_layer_norm_matches_torch(rows, cols, dtype):
+    if rows * cols > 2**28:
+        pytest.skip("too large for whole-tensor references: see test_layer_norm_beyond_int32")
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(cols, device="cuda", dtype=dtype)).requires_grad_()
+    b = (0.1 * torch.randn(cols, device="cuda", dtype=dtype)).requires_grad_()
+    y = fl.layer_norm(x, cols, w, b)
+    dy = torch.randn_like(y)
+    gx, gw, gb = torch.autograd.grad(y, (x, w, b), dy)
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    yr = F.layer_norm(xr, (cols,), wr, br)
+    rx, rw, rb = torch.autograd.grad(yr, (xr, wr, br), dy.float())
+    yh = F.layer_norm(x, (cols,), w, b)  # torch in the test dtype
+    hx, hw, hb = torch.autograd.grad(yh, (x, w, b), dy)
+    if rows == 0:
+        assert y.shape == (0, cols) and (gw == 0).all() and (gb == 0).all()
+        return
+    assert_close(y, yh, yr, dtype, "y")
+    if cols > 1:  # with one column x - mean is 0: dx and dgamma are exactly 0
+        assert_close(gx, hx, rx, dtype, "dx")
+        assert_close(gw, hw, rw, dtype, "dgamma")
+    assert_close(gb, hb, rb, dtype, "dbeta")
+
+
+@pytest.mark.parametrize("rows,cols", [(32768, 12288), (32768, 65536)])
+def test_layer_norm_beyond_int32(rows, cols):
+    """Row offsets past 2^31 elements (32768 x 65536): checked on row blocks, incl. the last."""
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = fl.layer_norm(x, cols, w)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    for r in (slice(0, 64), slice(rows - 64, rows)):
+        xr = x[r].detach().float().requires_grad_()
+        yr = F.layer_norm(xr, (cols,), w.detach().float())
+        (rx,) = torch.autograd.grad(yr, xr, dy[r].float())
+        assert rel_err(y[r], yr) < 5e-3 and rel_err(gx[r], rx) < 1e-2
+    ref_w = (dy.float() * F.layer_norm(x.detach().float(), (cols,))).sum(0) \
+        if rows * cols <= 2**30 else None
+    if ref_w is not None:
+        assert rel_err(gw, ref_w) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_half_input_float32_params(dtype):
+    x = torch.randn(33, 1000, device="cuda", dtype=dtype)
+    w, b = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    y = fl.layer_norm(x, 1000, w, b)
+    ref = F.layer_norm(x.float(), (1000,), w, b)
+    assert y.dtype == dtype and rel_err(y, ref) < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_layer_norm_backward_is_deterministic(memory_efficient):
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device="cuda", requires_grad=True)
+    b = torch.randn(1024, device="cuda", requires_grad=True)
+    dy = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    ln = lambda: torch.ops.fusedlayers.layer_norm(x, [1024], w, b, 1e-5, memory_efficient)[0]
+    first = torch.autograd.grad(ln(), (x, w, b), dy)
+    second = torch.autograd.grad(ln(), (x, w, b), dy)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+def test_layer_norm_non_contiguous_and_rms_mode():
+    base = torch.randn(64, 2 * 768, device="cuda")
+    x = base[:, ::2]  # strided
+    w = torch.randn(768, device="cuda")
+    assert rel_err(fl.layer_norm(x, 768, w), F.layer_norm(x, (768,), w)) < 1e-6
+    xt = torch.randn(768, 64, device="cuda").t()  # transposed
+    assert rel_err(fl.layer_norm(xt, 768), F.layer_norm(xt, (768,))) < 1e-6
+    # Keras' rms_scaling: x * rsqrt(var(x) + eps) * gamma.
+    y = torch.ops.fusedlayers.layer_norm(x, [768], w, None, 1e-3, False, False)[0]
+    ref = x * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-3) * w
+    assert rel_err(y, ref) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_scale_bitwise_with_torch(dtype):
+    x = torch.randn(1000, 4099, device="cuda", dtype=dtype)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for t in (x, x[:, 1:], x.t()):  # aligned, misaligned, transposed
+        t = t.detach().requires_grad_()
+        y = fl.relu_scale(t, 0.7)
+        assert torch.equal(y.nan_to_num(), (torch.relu(t) * 0.7).nan_to_num())
+        dy = torch.randn_like(y)
+        (g,) = torch.autograd.grad(y, t, dy)
+        t2 = t.detach().requires_grad_()
+        (g2,) = torch.autograd.grad(torch.relu(t2) * 0.7, t2, dy)
+        assert torch.equal(g, g2)
+
+
+def test_relu_scale_beyond_int32_elements():
+    n = 2**31 + 17
+    x = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    x.normal_()
+    y = fl.relu_scale(x, -1.5)
+    for start in (0, n - 2**20, 2**31 - 5):  # chunks, incl. the tail past 2^31
+        sl = slice(start, start + 2**20)
+        assert torch.equal(y[sl], torch.relu(x[sl]) * -1.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("m,k,n", [(0, 64, 64), (1, 64, 64), (33, 100, 70), (512, 1024, 4096)])
+def test_linear_gelu_matches_torch(m, k, n, bias, approximate, dtype):
+    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5).requires_grad_()
+    b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) if bias else None
+    params = (x, w) + ((b,) if bias else ())
+    y = fl.linear_gelu(x, w, b, approximate)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, params, dy)
+    ref_params = tuple(t.detach().double().requires_grad_() for t in params)
+    yr = F.gelu(F.linear(ref_params[0], ref_params[1], ref_params[2] if bias else None),
+                approximate=approximate)
+    ref_grads = torch.autograd.grad(yr, ref_params, dy.double())
+    yh = F.gelu(F.linear(x, w, b), approximate=approximate)
+    half_grads = torch.autograd.grad(yh, params, dy)
+    if m == 0:
+        assert y.shape == (0, n) and all((g == 0).all() for g in grads[1:])
+        return
+    assert_close(y, yh, yr, dtype, "y")
+    for name, g, h, r in zip(("dx", "dW", "db"), grads, half_grads, ref_grads):
+        assert_close(g, h, r, dtype, name)
+
+
+def test_linear_gelu_dbias_is_deterministic():
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    run = lambda: torch.autograd.grad(fl.linear_gelu(x, w, b), (x, w, b), dy)
+    for a, c in zip(run(), run()):
+        assert torch.equal(a, c)
+
+
+def test_non_default_stream():
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.randn(4096, 4096, device="cuda", requires_grad=True)
+        w = torch.randn(4096, device="cuda", requires_grad=True)
+        y = fl.relu_scale(fl.layer_norm(x, 4096, w), 2.0)
+        g = torch.autograd.grad(y.sum(), (x, w))
+        ref = torch.relu(F.layer_norm(x, (4096,), w)) * 2.0
+        gr = torch.autograd.grad(ref.sum(), (x, w))
+    s.synchronize()
+    assert rel_err(y, ref) < 1e-6
+    assert all(rel_err(a, c) < 1e-5 for a, c in zip(g, gr))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_device():
+    x = torch.randn(256, 1000, device="cuda:1", requires_grad=True)
+    w = torch.randn(1000, device="cuda:1", requires_grad=True)
+    y = fl.layer_norm(x, 1000, w)
+    assert y.device == x.device and rel_err(y, F.layer_norm(x, (1000,), w)) < 1e-6
+
+
+def test_opcheck_cuda():
+    x = torch.randn(3, 5, 768, device="cuda", requires_grad=True)
+    w = torch.randn(768, device="cuda", requires_grad=True)
+    W = torch.randn(64, 768, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.fusedlayers.relu_scale, (x, 0.5))
+    torch.library.opcheck(torch.ops.fusedlayers.layer_norm, (x, [768], w, w, 1e-5, False))
+    torch.library.opcheck(torch.ops.fusedlayers.linear_gelu, (x, W, None, "tanh"))
