@@ -2,8 +2,9 @@
 (schemas in backends/torch/schemas.cpp), and the functional API on top of them.
 
 Autocast policy (decided to match the unfused ops under torch.autocast): `linear_gelu` runs in
-the autocast dtype like `torch.nn.functional.linear`; `layer_norm` runs in float32 and returns
-float32 like `torch.nn.functional.layer_norm`; `relu_scale` runs in the input dtype like relu.
+the autocast dtype like `torch.nn.functional.linear`; `layer_norm` runs in float32 on CUDA and in
+the input dtype on the CPU, like `torch.nn.functional.layer_norm` there; `relu_scale` runs in the
+input dtype like relu.
 """
 
 from collections.abc import Sequence
@@ -22,6 +23,20 @@ def _require() -> None:
 
 def _cast(dtype, *tensors):
     return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def _autocast(x: torch.Tensor) -> bool:
+    device = x.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
+def _check_devices(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+    """A tensor on another device (a meta tensor among CPU ones, say) makes the dispatcher run the
+    fake kernel instead of the binding, whose check would not run: repeat it there."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"fusedlayers.{op}: {name} must be on the same device as {ref_name} "
+                             f"({ref.device}), got {t.device}")
 
 
 def relu_scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -44,7 +59,7 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dtype mismatches. GELU: Hendrycks & Gimpel 2016, arXiv:1606.08415.
     """
     _require()
-    if torch.is_autocast_enabled(x.device.type):
+    if _autocast(x):
         x, weight, bias = _cast(torch.get_autocast_dtype(x.device.type), x, weight, bias)
     return torch.ops.fusedlayers.linear_gelu(x, weight, bias, approximate)[0]
 
@@ -63,7 +78,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     """
     _require()
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    if torch.is_autocast_enabled(x.device.type):
+    if _autocast(x) and x.device.type == "cuda":
         x, weight, bias = _cast(torch.float32, x, weight, bias)
     return torch.ops.fusedlayers.layer_norm(x, shape, weight, bias, float(eps),
                                             bool(memory_efficient))[0]
@@ -100,10 +115,12 @@ def _register() -> None:
 
     @fake(lib + "relu_scale_backward")
     def _(grad_out, x, alpha):
+        _check_devices("relu_scale_backward", "x", x, grad_out=grad_out)
         return x.new_empty(x.shape)
 
     @fake(lib + "layer_norm")
     def _(x, normalized_shape, weight, bias, eps, memory_efficient=False, subtract_mean=True):
+        _check_devices("layer_norm", "input", x, weight=weight, bias=bias)
         stat_shape = x.shape[:x.dim() - len(normalized_shape)]
         return (x.new_empty(x.shape), x.new_empty(stat_shape, dtype=_stat_dtype(x)),
                 x.new_empty(stat_shape, dtype=_stat_dtype(x)))
@@ -111,17 +128,21 @@ def _register() -> None:
     @fake(lib + "layer_norm_backward")
     def _(grad_out, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=False,
           subtract_mean=True):
+        _check_devices("layer_norm_backward", "saved", saved, grad_out=grad_out, weight=weight,
+                       bias=bias)
         return (saved.new_empty(saved.shape),
                 saved.new_empty(0) if weight is None else weight.new_empty(weight.shape),
                 saved.new_empty(0) if bias is None else bias.new_empty(bias.shape))
 
     @fake(lib + "linear_gelu")
     def _(x, weight, bias, approximate):
+        _check_devices("linear_gelu", "input", x, weight=weight, bias=bias)
         shape = (*x.shape[:-1], weight.shape[0])
         return x.new_empty(shape), x.new_empty(shape)
 
     @fake(lib + "linear_gelu_backward")
     def _(grad_out, x, weight, pre, has_bias, approximate):
+        _check_devices("linear_gelu_backward", "input", x, grad_out=grad_out, weight=weight)
         return (x.new_empty(x.shape), weight.new_empty(weight.shape),
                 x.new_empty(weight.shape[0] if has_bias else 0))
 
