@@ -1,5 +1,5 @@
 // CUDA bias + GELU epilogue (math: bias_gelu.h). Phi comes from the erfc fit of Numerical Recipes
-// (as in bias_gelu.cpp: relative error < 1.2e-7 in both tails, cheaper than normcdff); the tanh
+// (as in bias_gelu_cpu.cpp: relative error < 1.2e-7 in both tails, cheaper than normcdff); the tanh
 // form is written as a sigmoid, 1 / (1 + e^{-2z}), to avoid cancellation.
 // dbias: each block sums a slab of rows per column into the workspace, then the slabs are
 // summed per column in slab order, so results are reproducible.

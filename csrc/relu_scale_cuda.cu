@@ -1,5 +1,5 @@
 // CUDA ReLU*scale: a grid-stride loop over 16-byte vectors (scalar loop when unaligned), 64-bit
-// indices; the same per-element math as relu_scale.cpp, so results match the CPU bit for bit.
+// indices; the same per-element math as relu_scale_cpu.cpp, so results match the CPU bit for bit.
 #include <algorithm>
 
 #include "cuda_common.cuh"
