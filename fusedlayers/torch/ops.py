@@ -161,10 +161,13 @@ def _register() -> None:
         x, ctx.normalized_shape, weight, bias, _, ctx.memory_efficient, ctx.subtract_mean = inputs
         y, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for mean and rstd
         ctx.save_for_backward(y if ctx.memory_efficient else x, mean, rstd, weight, bias)
 
     def layer_norm_backward(ctx, grad, _grad_mean, _grad_rstd):
         saved, mean, rstd, weight, bias = ctx.saved_tensors
+        if grad is None:  # only mean/rstd were used: nothing flows back
+            return None, None, None, None, None, None, None
         dx, dw, db = torch.ops.fusedlayers.layer_norm_backward(
             grad, saved, mean, rstd, ctx.normalized_shape, weight, bias, ctx.memory_efficient,
             ctx.subtract_mean)
@@ -178,10 +181,13 @@ def _register() -> None:
         _, pre = output
         ctx.has_bias = bias is not None
         ctx.mark_non_differentiable(pre)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for the unused pre output
         ctx.save_for_backward(x, weight, pre)
 
     def linear_gelu_backward(ctx, grad, _grad_pre):
         x, weight, pre = ctx.saved_tensors
+        if grad is None:  # only pre was used, and it is not differentiable
+            return None, None, None, None
         dx, dw, db = torch.ops.fusedlayers.linear_gelu_backward(
             grad, x, weight, pre, ctx.has_bias, ctx.approximate)
         return dx, dw, db if ctx.has_bias else None, None
