@@ -1,0 +1,162 @@
+"""Packaging: `import fusedlayers` imports no framework; a missing or broken extension never
+crashes an import and says which command builds it; the FUSEDLAYERS_JIT=1 path (slow: set
+FUSEDLAYERS_TEST_JIT=1 to run it). Each check runs in a fresh interpreter."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import fusedlayers
+
+PACKAGE = Path(fusedlayers.__file__).resolve().parent
+BUILD_COMMAND = "pip install --no-build-isolation -e ."
+
+
+# An editable install (`pip install -e .`) adds a meta-path finder that maps fusedlayers.* to the
+# checkout, so a copy's `fusedlayers._C` would still be found there. Drop such finders so the
+# copy on PYTHONPATH is all there is, as in an environment where the package was never built.
+ISOLATE = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if not getattr(f, "__module__", "").startswith("__editable__")]
+"""
+
+def run_python(code, cwd=None, env_extra=None, timeout=600, isolate=False):
+    """Runs `code` in a fresh interpreter; isolate: see ISOLATE."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDLAYERS_")}
+    env.update(env_extra or {})
+    code = (ISOLATE if isolate else "") + textwrap.dedent(code)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def copy_package(dest: Path, *, with_sources=False) -> Path:
+    """A copy of the Python package without any compiled library (and, unless asked, without
+    csrc/ and backends/), importable by putting `dest` first on PYTHONPATH."""
+    shutil.copytree(PACKAGE, dest / "fusedlayers",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    if with_sources:
+        for d in ("csrc", "backends"):
+            shutil.copytree(PACKAGE.parent / d, dest / d)
+    return dest
+
+
+def test_import_fusedlayers_imports_no_framework():
+    out = run_python("""
+        import sys
+        import fusedlayers
+        assert callable(fusedlayers.relu_scale) and fusedlayers.__version__
+        loaded = sorted(m for m in ("torch", "tensorflow", "keras", "jax") if m in sys.modules)
+        print("LOADED", loaded)
+    """)
+    assert "LOADED []" in out
+
+
+def test_not_a_tensor_without_torch_imported():
+    out = run_python("""
+        import sys
+        import fusedlayers
+        try:
+            fusedlayers.relu_scale([1.0, 2.0], 2.0)
+        except TypeError as e:
+            print("TypeError:", e)
+        assert "torch" not in sys.modules
+    """)
+    assert "TypeError: fusedlayers.relu_scale: x must be a torch.Tensor" in out
+
+
+MISSING_EXTENSION_CHECK = """
+    import fusedlayers, sys
+    assert fusedlayers.__file__.startswith({root!r}), fusedlayers.__file__  # the copy
+    import fusedlayers.torch                       # must not raise
+    from fusedlayers.torch import ExtensionNotBuiltError, FusedReLUScale, LayerNorm
+    import torch
+    for call in (lambda: fusedlayers.relu_scale(torch.ones(2), 1.0),
+                 lambda: fusedlayers.layer_norm(torch.ones(2, 3), 3),
+                 lambda: fusedlayers.linear_gelu(torch.ones(2, 3), torch.ones(4, 3)),
+                 lambda: LayerNorm(3)(torch.ones(2, 3)),
+                 lambda: FusedReLUScale(2.0)(torch.ones(2))):
+        try:
+            call()
+        except ExtensionNotBuiltError as e:
+            assert isinstance(e, RuntimeError)
+            print("MESSAGE", e)
+        else:
+            raise AssertionError("no ExtensionNotBuiltError")
+"""
+
+
+def test_missing_extension_says_how_to_build(tmp_path):
+    root = copy_package(tmp_path)
+    out = run_python(MISSING_EXTENSION_CHECK.format(root=str(root)), cwd=root,
+                     env_extra={"PYTHONPATH": str(root)}, isolate=True)
+    messages = [line for line in out.splitlines() if line.startswith("MESSAGE")]
+    assert len(messages) == 5
+    for m in messages:
+        assert "not built" in m and BUILD_COMMAND in m and "FUSEDLAYERS_JIT=1" in m, m
+
+
+def test_unloadable_extension_says_how_to_rebuild(tmp_path):
+    root = copy_package(tmp_path)
+    suffix = next(p.name.removeprefix("_C") for p in PACKAGE.glob("_C*.so"))
+    (root / "fusedlayers" / f"_C{suffix}").write_bytes(b"not an ELF file")
+    out = run_python(MISSING_EXTENSION_CHECK.format(root=str(root)), cwd=root,
+                     env_extra={"PYTHONPATH": str(root)}, isolate=True)
+    messages = [line for line in out.splitlines() if line.startswith("MESSAGE")]
+    assert len(messages) == 5
+    for m in messages:
+        assert "does not load" in m and f"Rebuild it with `{BUILD_COMMAND}`" in m, m
+
+
+def test_jit_without_sources_says_so(tmp_path):
+    # FUSEDLAYERS_JIT=1 in an installed copy without csrc/: a clear error, not a crash.
+    root = copy_package(tmp_path)
+    out = run_python(MISSING_EXTENSION_CHECK.format(root=str(root)), cwd=root,
+                     env_extra={"PYTHONPATH": str(root), "FUSEDLAYERS_JIT": "1"}, isolate=True)
+    messages = [line for line in out.splitlines() if line.startswith("MESSAGE")]
+    assert len(messages) == 5 and all("needs the source checkout" in m for m in messages)
+
+
+def test_jit_sources_have_distinct_object_names():
+    # torch.utils.cpp_extension.load writes one ninja rule per source named <basename>.o in a flat
+    # build directory, so two sources with one basename (csrc/x.cpp, backends/torch/x.cpp) make
+    # ninja fail ("multiple rules generate x.o") and FUSEDLAYERS_JIT=1 never builds.
+    from fusedlayers import _sources
+    stems = [p.stem for p in _sources.torch_sources()]
+    assert stems, "no sources found"
+    clashes = sorted({s for s in stems if stems.count(s) > 1})
+    assert not clashes, (f"JIT build objects collide: {clashes} "
+                         f"({[str(p) for p in _sources.torch_sources() if p.stem in clashes]})")
+
+
+@pytest.mark.skipif(os.environ.get("FUSEDLAYERS_TEST_JIT") != "1",
+                    reason="compiles the extension (~80 s on 2 cores): set FUSEDLAYERS_TEST_JIT=1")
+def test_jit_build_matches_reference(tmp_path):
+    root = copy_package(tmp_path / "src", with_sources=True)
+    out = run_python(f"""
+        import fusedlayers, torch
+        assert fusedlayers.__file__.startswith({str(root)!r})
+        import fusedlayers.torch
+        from fusedlayers import reference
+        from fusedlayers.torch import ops
+        assert ops._LOAD_ERROR is None, ops._LOAD_ERROR
+        maps = open("/proc/self/maps").read()
+        assert "fusedlayers_torch" in maps and "fusedlayers/_C" not in maps  # JIT, not _C
+        x = torch.randn(33, 100, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(7, 100, dtype=torch.float64)
+        assert torch.equal(fusedlayers.relu_scale(x, 0.5), reference.relu_scale(x, 0.5))
+        torch.testing.assert_close(fusedlayers.linear_gelu(x, w), reference.linear_gelu(x, w))
+        torch.testing.assert_close(fusedlayers.layer_norm(x, 100), reference.layer_norm(x, 100))
+        torch.autograd.gradcheck(lambda t: fusedlayers.layer_norm(t, 5), (x[:3, :5].detach()
+                                 .requires_grad_(),))
+        print("JIT OK")
+    """, cwd=root, env_extra={"PYTHONPATH": str(root), "FUSEDLAYERS_JIT": "1",
+                              "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, isolate=True)
+    assert "JIT OK" in out
