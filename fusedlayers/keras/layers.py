@@ -65,6 +65,7 @@ class FusedLinearGELU(_FusedLayer):
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
         self.input_spec = keras.layers.InputSpec(min_ndim=2)
+        self.supports_masking = True  # as Dense: the mask passes through unchanged
 
     def build(self, input_shape):
         in_features = input_shape[-1]
@@ -158,6 +159,11 @@ class LayerNorm(_FusedLayer):
         param_dtype = "float32" if half else x.dtype
         gamma = ops.cast(self.gamma, param_dtype) if self.gamma is not None else None
         beta = ops.cast(self.beta, param_dtype) if self.beta is not None else None
+        # gamma/beta dims follow self.axis as Keras sorted it (negatives first, e.g. [-1, 1]);
+        # Keras reshapes (not transposes) them onto the normalized dims: so do we.
+        norm_shape = [inputs.shape[a] for a in axes]
+        gamma = ops.reshape(gamma, norm_shape) if gamma is not None else None
+        beta = ops.reshape(beta, norm_shape) if beta is not None else None
         y = _fused(x, "layer_norm").layer_norm_trailing(
             x, k, gamma, beta, self.epsilon, subtract_mean=not self.rms_scaling)
         if not trailing:
