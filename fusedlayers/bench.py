@@ -197,7 +197,7 @@ def plot(path: str, rows: list[Row], device_name: str) -> None:
     keys = list(dict.fromkeys((r.op, r.shape, r.dtype, r.pass_) for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
     pct = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r.pct_of_peak for r in rows}
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(keys)), 4))
+    fig, ax = plt.subplots(figsize=(max(8, 0.4 * len(keys)), 7))
     width = 0.8 / len(impls)
     for i, impl in enumerate(impls):
         ax.bar([k + i * width for k in range(len(keys))],

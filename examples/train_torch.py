@@ -1,0 +1,242 @@
+"""Train a small MLP-Mixer on scikit-learn's handwritten digits twice, once with stock PyTorch
+layers and once with fusedlayers, and check that both runs learn the same thing.
+
+    python examples/train_torch.py                   # CPU, 20 epochs per run
+    python examples/train_torch.py --device cuda     # on a CUDA machine
+    python examples/train_torch.py --help            # epochs, batch size, seed, threads, plot
+
+The model (8x8 images -> 16 tokens of 2x2 patches -> 3 Mixer blocks -> mean pool -> head) uses
+the three fused ops where their unfused counterparts would be: LayerNorm, Linear+GELU as the
+first layer of every MLP, and ReLU·scale in the head. Both variants have the same state_dict
+keys; the fused model is loaded with the unfused model's initial weights, and both runs see the
+batches in the same order. The runs advance in lockstep, one epoch each in turn, so background
+load on the machine affects both alike. The script prints per-epoch train loss and held-out
+accuracy side by side, time per optimizer step, a summary, and saves the two loss curves as a
+PNG.
+
+Expected agreement: the fused kernels compute the same math as the unfused ops but sum in a
+different order (GEMM epilogue, LayerNorm reductions, weight-gradient reductions), so the two
+float32 runs differ by rounding (~1e-7 relative) from the first step. Training feeds those
+differences back through every update, so they grow slowly: the losses match to ~1e-7 for the
+first epochs, drift apart to ~1e-3 relative while the learning rate is high, and close up again
+as the cosine schedule anneals it. The script exits with status 1 if either run ends below 90%
+held-out accuracy or if any epoch's losses differ by more than LOSS_RTOL (1e-2) relative, so it
+doubles as an end-to-end check of forward, backward and parameter updates.
+"""
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: only writes a file
+import matplotlib.pyplot as plt
+import torch
+from einops.layers.torch import Rearrange
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from tqdm import tqdm
+
+from fusedlayers.reference import ReLUScale
+from fusedlayers.torch import FusedLinearGELU, FusedReLUScale, LayerNorm
+
+MIN_ACCURACY = 0.90
+LOSS_RTOL = 1e-2  # max |loss_unfused - loss_fused| / loss_unfused over epochs, float32
+# Regularizes, and keeps the loss away from 0 (its floor is ~0.50), so that the relative loss
+# difference stays meaningful once the training set is fit.
+LABEL_SMOOTHING = 0.1
+
+
+class MLP(nn.Module):
+    """Linear -> GELU -> Linear. fc1 is nn.Linear + nn.GELU or one FusedLinearGELU; `act` has no
+    parameters, so the state_dict keys (fc1.*, fc2.*) are the same either way."""
+
+    def __init__(self, dim: int, hidden: int, fused: bool):
+        super().__init__()
+        if fused:
+            self.fc1, self.act = FusedLinearGELU(dim, hidden), nn.Identity()
+        else:
+            self.fc1, self.act = nn.Linear(dim, hidden), nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class MixerBlock(nn.Module):
+    def __init__(self, tokens: int, dim: int, fused: bool):
+        super().__init__()
+        norm = LayerNorm if fused else nn.LayerNorm
+        self.norm1, self.token_mlp = norm(dim), MLP(tokens, tokens * 2, fused)
+        self.norm2, self.channel_mlp = norm(dim), MLP(dim, dim * 2, fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, tokens, dim)
+        # Token mixing acts along the token axis, so it sees (batch, dim, tokens).
+        x = x + self.token_mlp(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channel_mlp(self.norm2(x))
+
+
+class Mixer(nn.Module):
+    def __init__(self, fused: bool, dim: int = 64, depth: int = 3, patch: int = 2,
+                 image: int = 8, classes: int = 10, alpha: float = 0.5):
+        super().__init__()
+        tokens = (image // patch) ** 2
+        self.patchify = Rearrange("b (h p1) (w p2) -> b (h w) (p1 p2)", p1=patch, p2=patch)
+        self.embed = nn.Linear(patch * patch, dim)
+        self.blocks = nn.Sequential(*[MixerBlock(tokens, dim, fused) for _ in range(depth)])
+        self.norm = LayerNorm(dim) if fused else nn.LayerNorm(dim)
+        # Rectified, down-scaled pooled features for the classifier; alpha is a fixed scale.
+        self.relu_scale = FusedReLUScale(alpha) if fused else ReLUScale(alpha)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # images: (batch, 8, 8)
+        x = self.blocks(self.embed(self.patchify(images)))
+        return self.head(self.relu_scale(self.norm(x).mean(dim=1)))
+
+
+def load_data(device: torch.device):
+    digits = load_digits()
+    x = torch.tensor(digits.images / 16.0, dtype=torch.float32)  # pixels 0..16 -> 0..1
+    y = torch.tensor(digits.target)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, stratify=y,
+                                                        random_state=0)
+    return [t.to(device) for t in (x_train, y_train, x_test, y_test)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA kernels are asynchronous: wait before timing
+
+
+class Run:
+    """One training run: model, AdamW, cosine LR schedule, its own shuffling generator (seeded
+    alike for both runs, so both see the same batches) and its history."""
+
+    def __init__(self, name: str, model: nn.Module, args, n_train: int, position: int):
+        self.name, self.model, self.batch_size = name, model, args.batch_size
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+        # Cosine decay to zero: no late loss spikes, which would amplify the runs' rounding
+        # differences into visibly different curves.
+        steps = args.epochs * math.ceil(n_train / args.batch_size)
+        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=steps)
+        self.order = torch.Generator().manual_seed(args.seed)
+        self.losses, self.accuracies, self.step_times = [], [], []
+        self.bar = tqdm(total=args.epochs, desc=f"{name:>7}", unit="epoch", position=position)
+
+    def epoch(self, x_train, y_train, x_test, y_test) -> None:
+        device = x_train.device
+        self.model.train()
+        total = 0.0
+        for idx in torch.randperm(len(x_train), generator=self.order).split(self.batch_size):
+            idx = idx.to(device)
+            sync(device)
+            start = time.perf_counter()
+            loss = nn.functional.cross_entropy(self.model(x_train[idx]), y_train[idx],
+                                               label_smoothing=LABEL_SMOOTHING)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.schedule.step()
+            sync(device)
+            self.step_times.append(time.perf_counter() - start)
+            total += loss.item() * len(idx)
+        self.losses.append(total / len(x_train))
+        self.model.eval()
+        with torch.no_grad():
+            correct = (self.model(x_test).argmax(dim=1) == y_test).float().mean().item()
+        self.accuracies.append(correct)
+        self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}", acc=f"{correct:.3f}")
+        self.bar.update()
+
+
+def save_plot(path: str, unfused: Run, fused: Run, device: torch.device) -> None:
+    epochs = range(1, len(unfused.losses) + 1)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(epochs, unfused.losses, label="unfused (torch.nn)", linewidth=3, alpha=0.6)
+    ax.plot(epochs, fused.losses, "--", label="fused (fusedlayers)", linewidth=1.5)
+    ax.set(xlabel="epoch", ylabel="train loss (cross-entropy, label smoothing 0.1)",
+           yscale="log", title=f"MLP-Mixer on sklearn digits ({device.type}): unfused vs fused")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--plot", default="train_torch_loss.png", help="loss-curve PNG path")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA "
+                     f"device; run on a CUDA machine or use --device cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = load_data(device)
+    print(f"digits: {len(data[0])} train / {len(data[2])} held-out images, device {device}, "
+          f"{torch.get_num_threads()} CPU threads, seed {args.seed}")
+
+    torch.manual_seed(args.seed)
+    unfused_model = Mixer(fused=False).to(device)
+    fused_model = Mixer(fused=True).to(device)
+    fused_model.load_state_dict(unfused_model.state_dict())  # strict: the keys must match
+    same = all(torch.equal(a, b) for a, b in zip(unfused_model.state_dict().values(),
+                                                  fused_model.state_dict().values()))
+    n_params = sum(p.numel() for p in unfused_model.parameters())
+    print(f"{n_params} parameters; fused model starts from the unfused weights: "
+          f"{'identical' if same else 'DIFFERENT'}\n")
+
+    print(f"{'epoch':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10} "
+          f"{'unfused acc':>12} {'fused acc':>10}")
+    unfused = Run("unfused", unfused_model, args, len(data[0]), position=0)
+    fused = Run("fused", fused_model, args, len(data[0]), position=1)
+    for epoch in range(1, args.epochs + 1):
+        unfused.epoch(*data)
+        fused.epoch(*data)
+        ul, fl = unfused.losses[-1], fused.losses[-1]
+        tqdm.write(f"{epoch:>5} {ul:>13.6f} {fl:>13.6f} {abs(ul - fl):>10.2e} "
+                   f"{unfused.accuracies[-1]:>12.4f} {fused.accuracies[-1]:>10.4f}")
+    unfused.bar.close()
+    fused.bar.close()
+
+    # Median step time: robust to the first steps' warm-up and to scheduler noise.
+    u_ms, f_ms = (1e3 * statistics.median(run.step_times) for run in (unfused, fused))
+    diffs = [abs(ul - fl) for ul, fl in zip(unfused.losses, fused.losses)]
+    max_rel = max(d / ul for d, ul in zip(diffs, unfused.losses))
+    print(f"\n{'':<24}{'unfused':>10}{'fused':>10}")
+    print(f"{'held-out accuracy':<24}{unfused.accuracies[-1]:>10.4f}{fused.accuracies[-1]:>10.4f}")
+    print(f"{'final train loss':<24}{unfused.losses[-1]:>10.5f}{fused.losses[-1]:>10.5f}")
+    print(f"{'ms / step (median)':<24}{u_ms:>10.3f}{f_ms:>10.3f}")
+    print(f"{'speedup (fused)':<24}{u_ms / f_ms:>19.2f}x")
+    print(f"{'max |loss diff|':<24}{max(diffs):>20.2e}")
+    print(f"{'max relative loss diff':<24}{max_rel:>20.2e}   (tolerance {LOSS_RTOL:.0e})")
+
+    save_plot(args.plot, unfused, fused, device)
+    print(f"loss curves saved to {args.plot}")
+
+    failures = [f"{run.name} held-out accuracy {run.accuracies[-1]:.4f} < {MIN_ACCURACY}"
+                for run in (unfused, fused) if run.accuracies[-1] < MIN_ACCURACY]
+    if not same:
+        failures.append("fused model did not start from the unfused weights")
+    if max_rel > LOSS_RTOL:
+        failures.append(f"loss curves differ by {max_rel:.2e} relative > {LOSS_RTOL:.0e}")
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    if not failures:
+        print("OK: both runs reach the accuracy bar and their loss curves agree")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
