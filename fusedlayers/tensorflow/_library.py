@@ -33,21 +33,23 @@ def build(output: Path, verbose: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         objects = [Path(tmp) / f"{i}_{src.stem}.o" for i, src in enumerate(sources)]
 
-        def compile_one(pair):
-            src, obj = pair
-            cmd = ["g++", *cflags, "-c", str(src), "-o", str(obj)]
+        def run(cmd):
             if verbose:
                 print(" ".join(cmd))
-            subprocess.run(cmd, check=True)
+            done = subprocess.run(cmd, capture_output=not verbose, text=True)
+            if done.returncode != 0:  # TF's headers warn a lot: show the output only on failure
+                raise OpLibraryNotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n"
+                                             f"{done.stderr or ''}")
+
+        def compile_one(pair):
+            src, obj = pair
+            run(["g++", *cflags, "-c", str(src), "-o", str(obj)])
 
         jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             list(pool.map(compile_one, zip(sources, objects)))
-        link = ["g++", "-shared", "-o", str(output), *map(str, objects),
-                *tf.sysconfig.get_link_flags()]
-        if verbose:
-            print(" ".join(link))
-        subprocess.run(link, check=True)
+        run(["g++", "-shared", "-o", str(output), *map(str, objects),
+             *tf.sysconfig.get_link_flags()])
 
 
 def _jit_library() -> Path:
@@ -74,7 +76,7 @@ def load():
     if os.environ.get("FUSEDLAYERS_JIT") == "1":
         try:
             path = _jit_library()
-        except (OSError, subprocess.CalledProcessError) as e:
+        except (OSError, OpLibraryNotBuiltError) as e:
             raise OpLibraryNotBuiltError(
                 f"fusedlayers: the just-in-time TensorFlow build (FUSEDLAYERS_JIT=1) failed: {e}"
             ) from e
