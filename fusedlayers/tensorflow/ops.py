@@ -53,7 +53,9 @@ def _in_xla_context(graph) -> bool:
 
 
 def relu_scale(x, alpha: float) -> tf.Tensor:
-    """y = max(x, 0) * alpha, element-wise; same contract as the torch op (alpha is float32)."""
+    """y = max(x, 0) * alpha, element-wise, the same csrc kernel as the torch op: NaN stays NaN
+    and the gradient at a NaN input is dy * alpha (torch's convention; tf.nn.relu's is 0).
+    alpha travels as a float32 op attribute, so float64 results use alpha rounded to float32."""
     (x,) = _prepare("relu_scale", x=x)
     if not math.isfinite(alpha):
         raise _invalid(f"fusedlayers.relu_scale: alpha must be finite, got {alpha}")
@@ -79,7 +81,7 @@ def _matmul_bias_gelu(op, x, w, bias, approximate, transpose):
     if w.shape.rank != 2:
         raise _invalid(f"fusedlayers.{op}: weight must be 2-D, got shape {w.shape}")
     in_features, out_features = (w.shape[1], w.shape[0]) if transpose else tuple(w.shape)
-    if x.shape.rank is not None and (x.shape.rank < 1 or x.shape[-1] != in_features):
+    if x.shape.rank is not None and (x.shape.rank < 1 or x.shape[-1] not in (None, in_features)):
         raise _invalid(f"fusedlayers.{op}: the last dimension of x must equal in_features = "
                        f"{in_features}, got x of shape {x.shape}")
     for name, t in (("weight", w), *(("bias", t) for t in b)):
@@ -98,10 +100,13 @@ def _matmul_bias_gelu(op, x, w, bias, approximate, transpose):
 def layer_norm(x, normalized_shape: int | Sequence[int], weight=None, bias=None,
                eps: float = 1e-5) -> tf.Tensor:
     """Layer normalization over the trailing normalized_shape dims of x; same contract as the
-    torch op (weight/bias of shape normalized_shape, x's dtype or float32 for half x)."""
+    torch op (weight/bias of shape normalized_shape, x's dtype or float32 for half x). eps
+    travels as a float32 op attribute (as TF's own normalization ops take it)."""
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
     (xt,) = _prepare("layer_norm", x=x)
-    if xt.shape.rank is not None and list(xt.shape[xt.shape.rank - len(shape):]) != shape:
+    rank = xt.shape.rank
+    if rank is not None and (rank < len(shape) or any(
+            d is not None and d != s for d, s in zip(xt.shape[rank - len(shape):], shape))):
         raise _invalid(f"fusedlayers.layer_norm: the last {len(shape)} dimension(s) of x must "
                        f"equal normalized_shape {shape}, got x of shape {xt.shape}")
     return layer_norm_trailing(xt, len(shape), weight, bias, eps)
@@ -115,6 +120,14 @@ def layer_norm_trailing(x, norm_ndims: int, gamma=None, beta=None, eps: float = 
     x, *params = _prepare("layer_norm", **tensors)
     if not math.isfinite(eps) or eps < 0:
         raise _invalid(f"fusedlayers.layer_norm: eps must be finite and >= 0, got {eps}")
+    half = x.dtype in (tf.float16, tf.bfloat16)
+    for name, t in zip([n for n in ("gamma", "beta") if n in tensors], params):
+        if t.dtype != x.dtype and not (half and t.dtype == tf.float32):
+            raise _invalid(f"fusedlayers.layer_norm: x is {x.dtype.name}, so {name} dtype must be "
+                           f"{x.dtype.name}{' or float32' if half else ''}, got {t.dtype.name}")
+    if len(params) == 2 and params[0].dtype != params[1].dtype:
+        raise _invalid(f"fusedlayers.layer_norm: gamma and beta must share a dtype, got "
+                       f"{params[0].dtype.name} and {params[1].dtype.name}")
     param_dtype = params[0].dtype if params else x.dtype
     absent = tf.zeros([0], param_dtype)
     gamma = params[0] if gamma is not None else absent
