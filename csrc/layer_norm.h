@@ -10,7 +10,7 @@
 //
 // With subtract_mean = false (Keras' LayerNormalization(rms_scaling=True), whose code scales by
 // the centered variance and adds no beta): y = x * rstd * gamma, and
-//   dx = rstd * (g - xhat * (mean_j(g * xhat) + mean * rstd * mean_j(g))),  dgamma = sum dy * x * rstd
+//   dx = rstd * (g - xhat * rstd * mean_j(g * x)),  dgamma = sum dy * x * rstd
 //
 // Dtypes: x, y, dy, dx share `dtype` (float32, float64, float16, bfloat16). gamma/beta/dgamma/dbeta
 // share `param_dtype`, which is `dtype`, or float32 for float16/bfloat16 x. mean/rstd are float32 (float64 when dtype is

@@ -124,6 +124,13 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
           cpu::load(static_cast<const T*>(dy) + r * cols, d, cols);
           cpu::load(static_cast<const T*>(saved) + r * cols, xh, cols);
           const A mu = saved_is_output ? A(0) : static_cast<const A*>(mean)[r];
+          for (int64_t j = 0; j < cols; ++j) gd[j] = d[j] * g[j];
+          // Scale-only: dx needs rstd * mean(g * x); summed on raw x (xh still holds it), since
+          // mean(g * xhat) + mean * rstd * mean(g) cancels for rows far from zero.
+          const A mgx_raw =
+              subtract_mean ? A(0)
+                            : cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j] * xh[j]; }) /
+                                  A(cols);
           if (want_params && !subtract_mean) {  // dgamma = sum dy * x * rstd, before xh is xhat
             for (int64_t j = 0; j < cols; ++j) pg[j] += d[j] * xh[j] * rs;
           }
@@ -132,7 +139,6 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
           } else {
             for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - mu) * rs;
           }
-          for (int64_t j = 0; j < cols; ++j) gd[j] = d[j] * g[j];
           const A mg = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j]; }) / A(cols);
           const A mgx = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j] * xh[j]; }) / A(cols);
           if (want_params && subtract_mean) {
@@ -141,7 +147,7 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
           }
           // Standard: dx = rstd (g - mean(g) - xhat mean(g xhat)); scale-only: see layer_norm.h.
           const A k_mean = subtract_mean ? mg : A(0);
-          const A k_xhat = subtract_mean ? mgx : mgx + mu * rs * mg;
+          const A k_xhat = subtract_mean ? mgx : rs * mgx_raw;
           for (int64_t j = 0; j < cols; ++j) gd[j] = rs * (gd[j] - k_mean - xh[j] * k_xhat);
           cpu::store(gd, static_cast<T*>(dx) + r * cols, cols);
         }
