@@ -17,11 +17,14 @@ PNG.
 Expected agreement: the fused kernels compute the same math as the unfused ops but sum in a
 different order (GEMM epilogue, LayerNorm reductions, weight-gradient reductions), so the two
 float32 runs differ by rounding (~1e-7 relative) from the first step. Training feeds those
-differences back through every update, so they grow slowly: the losses match to ~1e-7 for the
-first epochs, drift apart to ~1e-3 relative while the learning rate is high, and close up again
-as the cosine schedule anneals it. The script exits with status 1 if either run ends below 90%
-held-out accuracy or if any epoch's losses differ by more than LOSS_RTOL (1e-2) relative, so it
-doubles as an end-to-end check of forward, backward and parameter updates.
+differences back through every update, so they can grow; with the defaults they hardly do: the
+per-epoch losses agree to ~1e-7 relative, at most 2e-6 (seeds 0-5, CPU). The script exits with
+status 1 if either run ends below 90% held-out accuracy or if any epoch's losses differ by more
+than LOSS_RTOL (1e-3) relative, so it doubles as an end-to-end check that the fused layers'
+forward, backward and parameters train like the unfused ones (the per-op accuracy is the tests'
+job). Training is chaotic, though: longer runs (e.g. --epochs 40) or a higher learning rate can
+let one run's loss bump an epoch before the other's, and the curves then drift to ~1e-2
+relative without anything being wrong; the tolerance is set for the defaults.
 """
 
 import argparse
@@ -34,6 +37,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: only writes a file
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 import torch
 from einops.layers.torch import Rearrange
 from sklearn.datasets import load_digits
@@ -45,7 +49,7 @@ from fusedlayers.reference import ReLUScale
 from fusedlayers.torch import FusedLinearGELU, FusedReLUScale, LayerNorm
 
 MIN_ACCURACY = 0.90
-LOSS_RTOL = 1e-2  # max |loss_unfused - loss_fused| / loss_unfused over epochs, float32
+LOSS_RTOL = 1e-3  # max |loss_unfused - loss_fused| / loss_unfused over epochs, float32
 # Regularizes, and keeps the loss away from 0 (its floor is ~0.50), so that the relative loss
 # difference stays meaningful once the training set is fit.
 LABEL_SMOOTHING = 0.1
@@ -118,9 +122,11 @@ class Run:
 
     def __init__(self, name: str, model: nn.Module, args, n_train: int, position: int):
         self.name, self.model, self.batch_size = name, model, args.batch_size
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
-        # Cosine decay to zero: no late loss spikes, which would amplify the runs' rounding
-        # differences into visibly different curves.
+        # eps 1e-6 rather than 1e-8: Adam divides by sqrt(v) + eps, which for near-zero
+        # gradients would turn their rounding noise into full-size steps and so amplify the
+        # runs' fp32 differences. Cosine decay to zero: no loss spikes late in training.
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6,
+                                           weight_decay=0.05)
         steps = args.epochs * math.ceil(n_train / args.batch_size)
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=steps)
         self.order = torch.Generator().manual_seed(args.seed)
@@ -154,14 +160,23 @@ class Run:
 
 
 def save_plot(path: str, unfused: Run, fused: Run, device: torch.device) -> None:
+    # The curves overlap at any visible scale, so a second panel shows their difference.
     epochs = range(1, len(unfused.losses) + 1)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(epochs, unfused.losses, label="unfused (torch.nn)", linewidth=3, alpha=0.6)
-    ax.plot(epochs, fused.losses, "--", label="fused (fusedlayers)", linewidth=1.5)
-    ax.set(xlabel="epoch", ylabel="train loss (cross-entropy, label smoothing 0.1)",
-           yscale="log", title=f"MLP-Mixer on sklearn digits ({device.type}): unfused vs fused")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    rel = [abs(u - f) / u for u, f in zip(unfused.losses, fused.losses)]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    top.plot(epochs, unfused.losses, label="unfused (torch.nn)", linewidth=3, alpha=0.6)
+    top.plot(epochs, fused.losses, "--", label="fused (fusedlayers)", linewidth=1.5)
+    top.set(ylabel=f"train loss (label smoothing {LABEL_SMOOTHING})", yscale="log",
+            title=f"MLP-Mixer on sklearn digits ({device.type}): unfused vs fused")
+    top.legend()
+    bottom.plot(epochs, rel, "o-", markersize=3, color="tab:red")  # exact zeros are not drawn
+    bottom.axhline(LOSS_RTOL, color="black", linestyle=":", label=f"tolerance {LOSS_RTOL:.0e}")
+    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log")
+    bottom.legend()
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (top, bottom):
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

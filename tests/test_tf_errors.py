@@ -1,0 +1,278 @@
+"""Bad inputs to the TensorFlow ops raise tf.errors.InvalidArgumentError whose message names the
+argument and the expected and received values (DESIGN.md, "Bad input"), eagerly and in
+tf.function; the raw op's C++ OP_REQUIRES checks hold when the Python checks are bypassed."""
+
+import math
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import fusedlayers as fl  # noqa: E402
+from fusedlayers.tensorflow import layer_norm_trailing, ops  # noqa: E402
+
+from _tf_utils import rng  # noqa: E402,F401
+
+IAE = tf.errors.InvalidArgumentError
+
+
+@pytest.fixture
+def data(rng):
+    return dict(
+        x=tf.constant(rng.normal((3, 7)), tf.float32),
+        w=tf.constant(rng.normal((5, 7)), tf.float32),
+        b=tf.constant(rng.normal(5), tf.float32),
+        g=tf.constant(rng.normal(7), tf.float32),
+        beta=tf.constant(rng.normal(7), tf.float32),
+    )
+
+
+def _both_modes(fn):
+    """Runs fn eagerly and traced in a tf.function; both must raise the same way."""
+    yield "eager", fn
+    yield "tf.function", tf.function(fn)
+
+
+# --------------------------------------------------------------------------------------------
+# shapes
+
+def test_layer_norm_wrong_last_dim(data):
+    for mode, f in _both_modes(lambda: fl.layer_norm(data["x"], 8)):
+        with pytest.raises(IAE, match=r"normalized_shape \[8\].*\(3, 7\)"):
+            f()
+
+
+def test_layer_norm_wrong_trailing_dims_multi(rng):
+    x = tf.constant(rng.normal((2, 3, 4)), tf.float32)
+    with pytest.raises(IAE, match=r"last 2 dimension\(s\).*normalized_shape \[3, 5\].*\(2, 3, 4\)"):
+        fl.layer_norm(x, [3, 5])
+    with pytest.raises(IAE, match=r"normalized_shape \[2, 3, 4, 1\]"):
+        fl.layer_norm(x, [2, 3, 4, 1])  # more dims than x has
+
+
+def test_linear_gelu_wrong_last_dim(data):
+    w6 = tf.ones([5, 6])
+    for mode, f in _both_modes(lambda: fl.linear_gelu(data["x"], w6)):
+        with pytest.raises(IAE, match=r"in_features = 6.*\(3, 7\)"):
+            f()
+
+
+def test_linear_gelu_weight_not_2d(data):
+    with pytest.raises(IAE, match=r"weight must be 2-D, got shape \(5, 7, 1\)"):
+        fl.linear_gelu(data["x"], tf.ones([5, 7, 1]))
+
+
+def test_linear_gelu_scalar_x(data):
+    with pytest.raises(IAE, match=r"in_features = 7.*shape \(\)"):
+        fl.linear_gelu(tf.constant(1.0), data["w"])
+
+
+def test_linear_gelu_bias_wrong_shape(data):
+    with pytest.raises(IAE, match=r"bias must have shape \(5,\), got \(4,\)"):
+        fl.linear_gelu(data["x"], data["w"], tf.ones([4]))
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_layer_norm_param_wrong_shape(data, which):
+    """A mismatched gamma / beta: the message names it (gamma/beta is the op's name for
+    weight/bias) with the expected and the received shape."""
+    bad = tf.ones([6])
+    kwargs = {"weight": data["g"], "bias": data["beta"], which: bad}
+    name = {"weight": "(gamma|weight)", "bias": "(beta|bias)"}[which]
+    for mode, f in _both_modes(lambda: fl.layer_norm(data["x"], 7, **kwargs)):
+        with pytest.raises(IAE, match=rf"{name} must have shape \[7\].*got \[6\]"):
+            f()
+
+
+def test_layer_norm_multi_dim_gamma_shape(rng):
+    x = tf.constant(rng.normal((2, 3, 4)), tf.float32)
+    with pytest.raises(IAE, match=r"(gamma|weight) must have shape \[3,4\].*got \[12\]"):
+        fl.layer_norm(x, [3, 4], tf.ones([12]))
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes
+
+@pytest.mark.parametrize("op", ["relu_scale", "linear_gelu", "layer_norm"])
+@pytest.mark.parametrize("dtype", [tf.int32, tf.int64, tf.bool])
+def test_non_float_x(data, op, dtype):
+    x = tf.cast(data["x"] * 10, dtype)
+    call = {"relu_scale": lambda: fl.relu_scale(x, 2.0),
+            "linear_gelu": lambda: fl.linear_gelu(x, data["w"]),
+            "layer_norm": lambda: fl.layer_norm(x, 7)}[op]
+    with pytest.raises(IAE, match=rf"fusedlayers\.{op}: x must be float32, float64, float16 or "
+                                  rf"bfloat16, got {dtype.name}"):
+        call()
+
+
+def test_linear_gelu_int_weight(data):
+    with pytest.raises(IAE, match=r"weight must be float32.*got int32"):
+        fl.linear_gelu(data["x"], tf.cast(data["w"], tf.int32))
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_linear_gelu_dtype_mismatch(data, which):
+    args = {"weight": data["w"], "bias": data["b"]}
+    args[which] = tf.cast(args[which], tf.float64)
+    with pytest.raises(IAE, match=rf"{which} must have x's dtype float32, got float64"):
+        fl.linear_gelu(data["x"], args["weight"], args["bias"])
+
+
+def test_linear_gelu_half_weight_for_float_x(data):
+    with pytest.raises(IAE, match=r"weight must have x's dtype float32, got bfloat16"):
+        fl.linear_gelu(data["x"], tf.cast(data["w"], tf.bfloat16))
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_layer_norm_param_dtype_float64_for_float32_x(data, which):
+    """A single parameter of the wrong dtype (the other absent)."""
+    args = {"weight": None, "bias": None}
+    args[which] = tf.cast(data["g"], tf.float64)
+    with pytest.raises(IAE, match=r"(gamma|beta|weight|bias).*dtype must be float32, got float64"):
+        fl.layer_norm(data["x"], 7, args["weight"], args["bias"])
+
+
+@pytest.mark.parametrize("half", [tf.float16, tf.bfloat16])
+def test_layer_norm_param_dtype_for_half_x(data, half):
+    """Half x takes parameters in its own dtype or float32, nothing else."""
+    x = tf.cast(data["x"], half)
+    fl.layer_norm(x, 7, data["g"], data["beta"])  # float32 params: fine
+    fl.layer_norm(x, 7, tf.cast(data["g"], half), tf.cast(data["beta"], half))  # fine
+    with pytest.raises(IAE, match=rf"dtype must be {half.name} or float32, got float64"):
+        fl.layer_norm(x, 7, tf.cast(data["g"], tf.float64))
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_layer_norm_weight_and_bias_dtypes_differ(data, which):
+    """Both parameters given, one float64, for float32 x: the error must name the argument and
+    the dtypes, like every other mismatch -- not TF's generic 'cannot compute
+    FusedlayersLayerNorm as input #2(zero-based) was expected to be a float tensor but is a
+    double tensor'."""
+    args = {"weight": data["g"], "bias": data["beta"]}
+    args[which] = tf.cast(args[which], tf.float64)
+    with pytest.raises(IAE) as info:
+        fl.layer_norm(data["x"], 7, args["weight"], args["bias"])
+    msg = str(info.value)
+    assert "float64" in msg, msg
+    names = {"weight": ("weight", "gamma"), "bias": ("bias", "beta")}[which]
+    assert any(n in msg for n in names), f"the message does not name {which}: {msg!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# scalars and options
+
+@pytest.mark.parametrize("eps", [math.nan, math.inf, -math.inf, -1e-5])
+def test_layer_norm_bad_eps(data, eps):
+    for mode, f in _both_modes(lambda: fl.layer_norm(data["x"], 7, eps=eps)):
+        with pytest.raises(IAE, match=rf"eps must be finite and >= 0, got {eps}"):
+            f()
+    with pytest.raises(IAE, match=r"eps must be finite"):
+        layer_norm_trailing(data["x"], 1, eps=eps, subtract_mean=False)
+
+
+@pytest.mark.parametrize("alpha", [math.nan, math.inf, -math.inf])
+def test_relu_scale_non_finite_alpha(data, alpha):
+    for mode, f in _both_modes(lambda: fl.relu_scale(data["x"], alpha)):
+        with pytest.raises(IAE, match=rf"alpha must be finite, got {alpha}"):
+            f()
+
+
+def test_relu_scale_alpha_overflowing_float32(data):
+    """alpha = 1e39 is a finite double but not a finite float32 (the op attribute): whatever
+    the op does, it must not silently return inf * x or NaN where relu(x) * alpha is finite in
+    float64, nor crash: either an InvalidArgumentError about alpha, or the float64 result."""
+    x64 = tf.cast(data["x"], tf.float64)
+    try:
+        y = fl.relu_scale(x64, 1e39)
+    except IAE as e:
+        assert "alpha" in str(e), str(e)
+        return
+    np.testing.assert_allclose(y.numpy(), (tf.nn.relu(x64) * 1e39).numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("approximate", ["foo", "erf", "TANH", "", None])
+def test_linear_gelu_bad_approximate(data, approximate):
+    with pytest.raises(IAE, match=rf"approximate must be 'none' or 'tanh', got {approximate!r}"):
+        fl.linear_gelu(data["x"], data["w"], data["b"], approximate)
+
+
+def test_dispatch_rejects_non_tensors():
+    with pytest.raises(TypeError, match=r"relu_scale: x must be a torch.Tensor, tf.Tensor or "
+                                        r"tf.Variable, got numpy.ndarray"):
+        fl.relu_scale(np.ones(3, np.float32), 1.0)
+    with pytest.raises(TypeError, match=r"layer_norm: .*got builtins.list"):
+        fl.layer_norm([1.0, 2.0], 2)
+
+
+# --------------------------------------------------------------------------------------------
+# the raw ops: C++ OP_REQUIRES (the Python wrappers' checks bypassed)
+
+def test_raw_layer_norm_wrong_gamma_shape(data):
+    lib = ops._lib
+
+    def raw():
+        return lib.fusedlayers_layer_norm(
+            data["x"], tf.ones([6]), tf.zeros([0]), norm_ndims=1, epsilon=1e-5, has_gamma=True,
+            has_beta=False, U=tf.float32)
+
+    msg = (r"fusedlayers\.layer_norm: gamma must have shape \[7\] \(the normalized dims of x "
+           r"\[3,7\]\), got \[6\]")
+    for mode, f in _both_modes(raw):
+        with pytest.raises(IAE, match=msg):
+            f()
+
+
+def test_raw_layer_norm_wrong_beta_shape_and_rank(data):
+    lib = ops._lib
+    with pytest.raises(IAE, match=r"beta must have shape \[7\].*got \[7,1\]"):
+        lib.fusedlayers_layer_norm(data["x"], tf.zeros([0]), tf.ones([7, 1]), norm_ndims=1,
+                                   epsilon=1e-5, has_gamma=False, has_beta=True, U=tf.float32)
+    with pytest.raises(IAE, match=r"x must have at least 3 dims, got shape \[3,7\]"):
+        lib.fusedlayers_layer_norm(data["x"], tf.zeros([0]), tf.zeros([0]), norm_ndims=3,
+                                   epsilon=1e-5, has_gamma=False, has_beta=False, U=tf.float32)
+
+
+def test_raw_layer_norm_stat_dtype(data):
+    with pytest.raises(IAE, match=r"mean/rstd dtype must be float, got double"):
+        ops._lib.fusedlayers_layer_norm(data["x"], tf.zeros([0]), tf.zeros([0]), norm_ndims=1,
+                                        epsilon=1e-5, has_gamma=False, has_beta=False,
+                                        U=tf.float64)
+
+
+def test_raw_layer_norm_nan_eps(data):
+    with pytest.raises(IAE, match=r"eps must be finite"):
+        ops._lib.fusedlayers_layer_norm(data["x"], tf.zeros([0]), tf.zeros([0]), norm_ndims=1,
+                                        epsilon=math.nan, has_gamma=False, has_beta=False,
+                                        U=tf.float32)
+
+
+def test_raw_relu_scale_alpha_and_grad_shape(data):
+    with pytest.raises(IAE, match=r"alpha must be finite, got nan"):
+        ops._lib.fusedlayers_relu_scale(data["x"], alpha=math.nan)
+    with pytest.raises(IAE, match=r"dy must have x's shape \[3,7\], got \[3,6\]"):
+        ops._lib.fusedlayers_relu_scale_grad(tf.ones([3, 6]), data["x"], alpha=1.0)
+
+
+def test_raw_bias_gelu_bias_shape_and_grad_shape(data):
+    with pytest.raises(IAE, match=r"bias must have shape \[7\] \(units\), got \[5\]"):
+        ops._lib.fusedlayers_bias_gelu(data["x"], data["b"], has_bias=True)
+    with pytest.raises(IAE, match=r"dy must have pre's shape \[3,7\], got \[7,3\]"):
+        ops._lib.fusedlayers_bias_gelu_grad(tf.ones([7, 3]), data["x"], has_bias=False)
+    with pytest.raises(IAE, match=r"at least 1-D"):
+        ops._lib.fusedlayers_bias_gelu(tf.constant(1.0), tf.zeros([0]), has_bias=False)
+
+
+def test_raw_layer_norm_grad_shapes(data):
+    x = data["x"]
+    y, mean, rstd = ops._lib.fusedlayers_layer_norm(
+        x, data["g"], data["beta"], norm_ndims=1, epsilon=1e-5, has_gamma=True, has_beta=True,
+        U=tf.float32)
+    with pytest.raises(IAE, match=r"dy must have x's shape \[3,7\].*got \[3,6\]"):
+        ops._lib.fusedlayers_layer_norm_grad(tf.ones([3, 6]), x, mean, rstd, data["g"],
+                                             data["beta"], norm_ndims=1, has_gamma=True,
+                                             has_beta=True)
+    with pytest.raises(IAE, match=r"mean/rstd 3 elements"):
+        ops._lib.fusedlayers_layer_norm_grad(tf.ones([3, 7]), x, mean[:2], rstd[:2], data["g"],
+                                             data["beta"], norm_ndims=1, has_gamma=True,
+                                             has_beta=True)
