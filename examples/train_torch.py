@@ -11,8 +11,8 @@ first layer of every MLP, and ReLU·scale in the head. Both variants have the sa
 keys; the fused model is loaded with the unfused model's initial weights, and both runs see the
 batches in the same order. The runs advance in lockstep, one epoch each in turn, so background
 load on the machine affects both alike. The script prints per-epoch train loss and held-out
-accuracy side by side, time per optimizer step, a summary, and saves the two loss curves as a
-PNG.
+accuracy side by side, time per optimizer step and a summary, and saves the two loss curves
+and their relative difference as a PNG (--plot, default train_torch_loss.png).
 
 Expected agreement: the fused kernels compute the same math as the unfused ops but sum in a
 different order (GEMM epilogue, LayerNorm reductions, weight-gradient reductions), so the two
@@ -225,7 +225,7 @@ def main() -> int:
     unfused.bar.close()
     fused.bar.close()
 
-    # Median step time: robust to the first steps' warm-up and to scheduler noise.
+    # Median step time: robust to the first steps' warm-up and to bursts of background load.
     u_ms, f_ms = (1e3 * statistics.median(run.step_times) for run in (unfused, fused))
     diffs = [abs(ul - fl) for ul, fl in zip(unfused.losses, fused.losses)]
     max_rel = max(d / ul for d, ul in zip(diffs, unfused.losses))
