@@ -137,7 +137,12 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
           if (saved_is_output) {
             for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - b[j]) / g[j];
           } else {
-            for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - mu) * rs;
+            // Scale-only dx multiplies xhat by the large rstd * mean(g * x): re-centre x - mean
+            // by its own residual, so the rounding of the stored mean does not enter it.
+            const A c = subtract_mean ? A(0)
+                                      : cpu::lane_sum<A>(cols, [&](int64_t j) { return xh[j] - mu; }) /
+                                            A(cols);
+            for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - mu - c) * rs;
           }
           const A mg = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j]; }) / A(cols);
           const A mgx = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j] * xh[j]; }) / A(cols);
