@@ -21,10 +21,6 @@
 namespace fusedlayers {
 namespace {
 
-constexpr int64_t kMaxChunks = 64;
-
-int64_t num_chunks(int64_t rows) { return std::max<int64_t>(1, std::min(rows, kMaxChunks)); }
-
 void check_sizes(const char* op, int64_t rows, int64_t cols) {
   if (rows < 0) fail(std::string(op) + ": rows must be >= 0, got " + std::to_string(rows));
   if (cols < 0) fail(std::string(op) + ": cols must be >= 0, got " + std::to_string(cols));
@@ -174,7 +170,7 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
 size_t bias_gelu_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
   check_sizes("bias_gelu_backward", rows, cols);
   const size_t acc_bytes = dtype == DType::kFloat64 ? 8 : 4;
-  return static_cast<size_t>(num_chunks(rows)) * static_cast<size_t>(cols) * acc_bytes;
+  return static_cast<size_t>(cpu::num_chunks(rows)) * static_cast<size_t>(cols) * acc_bytes;
 }
 
 void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* dbias,
@@ -187,7 +183,7 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
     using T = decltype(tag);
     using A = typename cpu::Acc<T>::type;
     A* partial = static_cast<A*>(workspace);  // [chunk][cols]
-    const int64_t chunks = num_chunks(rows);
+    const int64_t chunks = cpu::num_chunks(rows);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
       std::vector<A> buf(static_cast<size_t>(2 * cols));

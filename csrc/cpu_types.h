@@ -99,6 +99,13 @@ const A* staged(const T* src, A* buf, int64_t n) {
   }
 }
 
+// Chunks of rows for column sums (dgamma, dbeta, dbias): a count fixed by rows alone, never by
+// the thread count, so per-chunk partials summed in chunk order give reproducible results.
+inline int64_t num_chunks(int64_t rows) {
+  constexpr int64_t kMaxChunks = 64;
+  return rows < 1 ? 1 : (rows < kMaxChunks ? rows : kMaxChunks);
+}
+
 // Calls fn(T{}) with T the storage type of `dtype`.
 template <typename Fn>
 void dispatch(DType dtype, Fn&& fn) {

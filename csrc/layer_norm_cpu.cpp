@@ -11,10 +11,6 @@
 namespace fusedlayers {
 namespace {
 
-constexpr int64_t kMaxChunks = 64;
-
-int64_t num_chunks(int64_t rows) { return std::max<int64_t>(1, std::min(rows, kMaxChunks)); }
-
 void check_sizes(const char* op, int64_t rows, int64_t cols) {
   if (rows < 0) fail(std::string(op) + ": rows must be >= 0, got " + std::to_string(rows));
   if (cols < 1) fail(std::string(op) + ": cols must be >= 1, got " + std::to_string(cols));
@@ -82,7 +78,7 @@ void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, 
 size_t layer_norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
   check_sizes("layer_norm_backward", rows, cols);
   const size_t acc_bytes = dtype == DType::kFloat64 ? 8 : 4;
-  return static_cast<size_t>(num_chunks(rows)) * 2 * static_cast<size_t>(cols) * acc_bytes;
+  return static_cast<size_t>(cpu::num_chunks(rows)) * 2 * static_cast<size_t>(cols) * acc_bytes;
 }
 
 void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean,
@@ -106,7 +102,7 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
     const std::vector<A> g = cpu::param_or<P, A>(gamma, cols, A(1));
     const std::vector<A> b = cpu::param_or<P, A>(beta, cols, A(0));
     A* partial = static_cast<A*>(workspace);  // [chunk][dgamma | dbeta][cols]
-    const int64_t chunks = num_chunks(rows);
+    const int64_t chunks = cpu::num_chunks(rows);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
 
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
