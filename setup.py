@@ -41,7 +41,7 @@ class BuildWithTensorFlow(BuildExtension):
         _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
 
 
-cuda, why = _sources.use_cuda(torch.version.cuda, CUDA_HOME, os.environ)
+cuda, why = _sources.use_cuda("torch", torch.version.cuda, CUDA_HOME, os.environ)
 print(f"fusedlayers: {'building' if cuda else 'not building'} the CUDA kernels ({why})")
 sources = [str(p.relative_to(ROOT)) for p in _sources.torch_sources(ROOT, cuda)]
 if cuda:

@@ -2,6 +2,8 @@
 of the TensorFlow op library, shared by setup.py and the just-in-time builds so the two can never
 disagree. Imports no framework."""
 
+import os
+import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,6 +17,9 @@ CUDA_DEFINE = "-DFUSEDLAYERS_WITH_CUDA"
 CUDA_LIBRARIES = ["cublasLt"]
 # Ampere and Hopper, when TORCH_CUDA_ARCH_LIST is unset (a GPU-less host cannot detect one).
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
+# Kernels that call cuBLASLt: only the torch extension has them (TF's linear_gelu runs TF's matmul
+# and csrc's bias+GELU epilogue), so the TF op library needs no cuBLAS.
+CUBLASLT_SOURCES = {"linear_gelu_cuda.cu"}
 
 
 def torch_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
@@ -23,23 +28,55 @@ def torch_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
     return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/torch/*.cpp"), *cu])
 
 
-def use_cuda(torch_cuda_version: str | None, cuda_home: str | None, env) -> tuple[bool, str]:
-    """Whether to build the CUDA kernels into the torch extension, and why (one line).
+def use_cuda(framework: str, cuda_version: str | None, cuda_home: str | None,
+             env) -> tuple[bool, str]:
+    """Whether to build the CUDA kernels into `framework`'s library, and why (one line).
 
-    Decided from the installed torch and toolkit, not from a visible GPU, so GPU-less build
+    Decided from the installed framework and toolkit, not from a visible GPU, so GPU-less build
     hosts build CUDA too; FORCE_CUDA=1 and USE_CUDA=0 override.
     """
     if env.get("USE_CUDA") == "0":
         return False, "USE_CUDA=0"
     if env.get("FORCE_CUDA") == "1":
         return True, "FORCE_CUDA=1"
-    if torch_cuda_version is None:
-        return False, "torch is a CPU-only build"
+    if cuda_version is None:
+        return False, f"{framework} is a CPU-only build"
     if cuda_home is None:
         return False, "no CUDA toolkit (nvcc) found; set CUDA_HOME"
-    return True, f"torch CUDA {torch_cuda_version}, toolkit at {cuda_home}"
+    return True, f"{framework} CUDA {cuda_version}, toolkit at {cuda_home}"
 
 
-def tensorflow_sources(root: Path = ROOT) -> list[Path]:
+def find_cuda_home(env=os.environ) -> str | None:
+    """The CUDA toolkit: $CUDA_HOME, $CUDA_PATH, the toolkit of the nvcc on PATH, or
+    /usr/local/cuda; a toolkit is a directory with bin/nvcc and include/cuda_runtime.h."""
+    def toolkit(home):
+        return home is not None and (Path(home) / "bin/nvcc").exists() and \
+            (Path(home) / "include/cuda_runtime.h").exists()
+
+    for home in (env.get("CUDA_HOME"), env.get("CUDA_PATH")):
+        if home:
+            return home
+    nvcc = shutil.which("nvcc", path=env.get("PATH"))
+    # nvcc on PATH may be a symlink or a wrapper script: the toolkit is where it resolves.
+    if nvcc and toolkit(home := str(Path(nvcc).resolve().parent.parent)):
+        return home
+    return "/usr/local/cuda" if toolkit("/usr/local/cuda") else None
+
+
+def gencode_flags(arch_list: str) -> list[str]:
+    """nvcc -gencode flags for a TORCH_CUDA_ARCH_LIST-style list such as "8.0;9.0+PTX"."""
+    flags = []
+    for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        if not arch:
+            continue
+        sm = arch.removesuffix("+PTX").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{sm},code=sm_{sm}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{sm},code=compute_{sm}")
+    return flags
+
+
+def tensorflow_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
     """The same csrc kernels and the TensorFlow binding, compiled into the TF op library."""
-    return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/tensorflow/*.cc")])
+    cu = [p for p in root.glob("csrc/*.cu") if p.name not in CUBLASLT_SOURCES] if cuda else []
+    return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/tensorflow/*.cc"), *cu])

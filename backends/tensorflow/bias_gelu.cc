@@ -73,6 +73,7 @@ class BiasGeluBase : public OpKernel {
   GeluApprox approx_;
 };
 
+template <bool kGpu>
 class BiasGeluOp : public BiasGeluBase {
  public:
   using BiasGeluBase::BiasGeluBase;
@@ -89,14 +90,19 @@ class BiasGeluOp : public BiasGeluBase {
     Tensor *pre, *y;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, h.shape(), &pre));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, h.shape(), &y));
+    const void* b = has_bias_ ? ptr(bias) : nullptr;
     call_csrc(ctx, [&] {
-      bias_gelu_forward_cpu(ptr(h), has_bias_ ? ptr(bias) : nullptr, mutable_ptr(pre),
-                            mutable_ptr(y), rows, cols, approx_, to_dtype(h.dtype()),
-                            tf_parallel_for(ctx));
+      if constexpr (kGpu)
+        bias_gelu_forward_cuda(ptr(h), b, mutable_ptr(pre), mutable_ptr(y), rows, cols, approx_,
+                               to_dtype(h.dtype()), gpu_stream(ctx));
+      else
+        bias_gelu_forward_cpu(ptr(h), b, mutable_ptr(pre), mutable_ptr(y), rows, cols, approx_,
+                              to_dtype(h.dtype()), tf_parallel_for(ctx));
     });
   }
 };
 
+template <bool kGpu>
 class BiasGeluGradOp : public BiasGeluBase {
  public:
   using BiasGeluBase::BiasGeluBase;
@@ -117,22 +123,29 @@ class BiasGeluGradOp : public BiasGeluBase {
     call_csrc(ctx, [&] {
       Tensor workspace;
       if (has_bias_) {
-        const auto bytes = bias_gelu_backward_workspace_size_cpu(rows, cols, dtype);
+        size_t bytes;
+        if constexpr (kGpu)
+          bytes = bias_gelu_backward_workspace_size_cuda(rows, cols, dtype);
+        else
+          bytes = bias_gelu_backward_workspace_size_cpu(rows, cols, dtype);
         OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
                                                TensorShape({static_cast<int64_t>(bytes)}),
                                                &workspace));
       }
-      bias_gelu_backward_cpu(ptr(dy), ptr(pre), mutable_ptr(dpre),
-                             has_bias_ ? mutable_ptr(dbias) : nullptr,
-                             workspace.NumElements() ? mutable_ptr(&workspace) : nullptr, rows,
-                             cols, approx_, dtype, tf_parallel_for(ctx));
+      void* db = has_bias_ ? mutable_ptr(dbias) : nullptr;
+      void* ws = workspace.NumElements() ? mutable_ptr(&workspace) : nullptr;
+      if constexpr (kGpu)
+        bias_gelu_backward_cuda(ptr(dy), ptr(pre), mutable_ptr(dpre), db, ws, rows, cols, approx_,
+                                dtype, gpu_stream(ctx));
+      else
+        bias_gelu_backward_cpu(ptr(dy), ptr(pre), mutable_ptr(dpre), db, ws, rows, cols, approx_,
+                               dtype, tf_parallel_for(ctx));
     });
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("FusedlayersBiasGelu").Device(::tensorflow::DEVICE_CPU), BiasGeluOp);
-REGISTER_KERNEL_BUILDER(Name("FusedlayersBiasGeluGrad").Device(::tensorflow::DEVICE_CPU),
-                        BiasGeluGradOp);
+FUSEDLAYERS_REGISTER_KERNELS("FusedlayersBiasGelu", BiasGeluOp, "T");
+FUSEDLAYERS_REGISTER_KERNELS("FusedlayersBiasGeluGrad", BiasGeluGradOp, "T");
 
 }  // namespace
 }  // namespace tf_binding

@@ -1,5 +1,9 @@
 // Glue shared by the TensorFlow binding: dtype mapping, TF's intra-op thread pool as the csrc
-// parallel-for, csrc errors turned into InvalidArgumentError, raw pointers of TF tensors.
+// parallel-for, the op's GPU stream for the csrc CUDA launchers, csrc errors turned into
+// InvalidArgumentError, raw pointers of TF tensors, and the CPU + GPU kernel registration.
+//
+// Each OpKernel is a template on `bool kGpu` and calls the csrc *_cpu or *_cuda entry point with
+// `if constexpr`; the GPU instantiations exist only when built with GOOGLE_CUDA.
 #pragma once
 
 #include <string>
@@ -7,6 +11,9 @@
 #include "csrc/common.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#if GOOGLE_CUDA
+#include "xla/stream_executor/stream.h"
+#endif
 
 namespace fusedlayers {
 namespace tf_binding {
@@ -31,6 +38,16 @@ inline ParallelFor tf_parallel_for(OpKernelContext* ctx) {
   };
 }
 
+// The CUDA stream TF runs this GPU op on; the csrc launchers enqueue on it, so the kernels are
+// ordered with TF's own work. Defined only with GOOGLE_CUDA (only GPU kernels call it).
+cudaStream_t gpu_stream(OpKernelContext* ctx);
+#if GOOGLE_CUDA
+inline cudaStream_t gpu_stream(OpKernelContext* ctx) {
+  return static_cast<cudaStream_t>(
+      ctx->op_device_context()->stream()->platform_specific_handle().stream);
+}
+#endif
+
 // Runs a csrc call; its argument errors fail the op with InvalidArgumentError.
 template <typename Fn>
 void call_csrc(OpKernelContext* ctx, Fn&& fn) {
@@ -48,3 +65,21 @@ inline std::string shape_str(const ::tensorflow::TensorShape& s) { return s.Debu
 
 }  // namespace tf_binding
 }  // namespace fusedlayers
+
+// Registers Kernel<false> on the CPU and, with GOOGLE_CUDA, Kernel<true> on the GPU for the dtypes
+// csrc's CUDA kernels take (attribute `type_attr`); TF places float64 calls on the CPU kernel.
+#if GOOGLE_CUDA
+#define FUSEDLAYERS_REGISTER_KERNELS(op, Kernel, type_attr)                                     \
+  REGISTER_KERNEL_BUILDER(Name(op).Device(::tensorflow::DEVICE_CPU), Kernel<false>);           \
+  REGISTER_KERNEL_BUILDER(                                                                      \
+      Name(op).Device(::tensorflow::DEVICE_GPU).TypeConstraint<float>(type_attr), Kernel<true>); \
+  REGISTER_KERNEL_BUILDER(                                                                      \
+      Name(op).Device(::tensorflow::DEVICE_GPU).TypeConstraint<Eigen::half>(type_attr),         \
+      Kernel<true>);                                                                            \
+  REGISTER_KERNEL_BUILDER(                                                                      \
+      Name(op).Device(::tensorflow::DEVICE_GPU).TypeConstraint<::tensorflow::bfloat16>(type_attr), \
+      Kernel<true>)
+#else
+#define FUSEDLAYERS_REGISTER_KERNELS(op, Kernel, type_attr) \
+  REGISTER_KERNEL_BUILDER(Name(op).Device(::tensorflow::DEVICE_CPU), Kernel<false>)
+#endif

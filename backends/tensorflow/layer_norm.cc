@@ -131,6 +131,7 @@ class LayerNormBase : public OpKernel {
   bool has_gamma_, has_beta_, subtract_mean_;
 };
 
+template <bool kGpu>
 class LayerNormOp : public LayerNormBase {
  public:
   explicit LayerNormOp(OpKernelConstruction* ctx) : LayerNormBase(ctx) {
@@ -150,11 +151,18 @@ class LayerNormOp : public LayerNormBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, stat_shape, &mean));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, stat_shape, &rstd));
+    const void* g = has_gamma_ ? ptr(gamma) : nullptr;
+    const void* b = has_beta_ ? ptr(beta) : nullptr;
+    const DType dtype = to_dtype(x.dtype()), param_dtype = to_dtype(gamma.dtype());
     call_csrc(ctx, [&] {
-      layer_norm_forward_cpu(ptr(x), has_gamma_ ? ptr(gamma) : nullptr,
-                             has_beta_ ? ptr(beta) : nullptr, mutable_ptr(y), mutable_ptr(mean),
-                             mutable_ptr(rstd), rows, cols, epsilon_, subtract_mean_,
-                             to_dtype(x.dtype()), to_dtype(gamma.dtype()), tf_parallel_for(ctx));
+      if constexpr (kGpu)
+        layer_norm_forward_cuda(ptr(x), g, b, mutable_ptr(y), mutable_ptr(mean),
+                                mutable_ptr(rstd), rows, cols, epsilon_, subtract_mean_, dtype,
+                                param_dtype, gpu_stream(ctx));
+      else
+        layer_norm_forward_cpu(ptr(x), g, b, mutable_ptr(y), mutable_ptr(mean), mutable_ptr(rstd),
+                               rows, cols, epsilon_, subtract_mean_, dtype, param_dtype,
+                               tf_parallel_for(ctx));
     });
   }
 
@@ -163,6 +171,7 @@ class LayerNormOp : public LayerNormBase {
   ::tensorflow::DataType stat_dtype_;
 };
 
+template <bool kGpu>
 class LayerNormGradOp : public LayerNormBase {
  public:
   using LayerNormBase::LayerNormBase;
@@ -187,30 +196,38 @@ class LayerNormGradOp : public LayerNormBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, gamma.shape(), &dgamma));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, beta.shape(), &dbeta));
-    const DType dtype = to_dtype(x.dtype());
+    const DType dtype = to_dtype(x.dtype()), param_dtype = to_dtype(gamma.dtype());
     call_csrc(ctx, [&] {
       Tensor workspace;
       if (has_gamma_ || has_beta_) {
-        const auto bytes = layer_norm_backward_workspace_size_cpu(rows, cols, dtype);
+        size_t bytes;
+        if constexpr (kGpu)
+          bytes = layer_norm_backward_workspace_size_cuda(rows, cols, dtype);
+        else
+          bytes = layer_norm_backward_workspace_size_cpu(rows, cols, dtype);
         OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
                                                TensorShape({static_cast<int64_t>(bytes)}),
                                                &workspace));
       }
-      layer_norm_backward_cpu(
-          ptr(dy), ptr(x), ptr(mean), ptr(rstd), has_gamma_ ? ptr(gamma) : nullptr,
-          has_beta_ ? ptr(beta) : nullptr, mutable_ptr(dx),
-          has_gamma_ ? mutable_ptr(dgamma) : nullptr, has_beta_ ? mutable_ptr(dbeta) : nullptr,
-          workspace.NumElements() ? mutable_ptr(&workspace) : nullptr, rows, cols,
-          /*saved_is_output=*/false, subtract_mean_, dtype, to_dtype(gamma.dtype()),
-          tf_parallel_for(ctx));
+      const void* g = has_gamma_ ? ptr(gamma) : nullptr;
+      const void* b = has_beta_ ? ptr(beta) : nullptr;
+      void* dg = has_gamma_ ? mutable_ptr(dgamma) : nullptr;
+      void* db = has_beta_ ? mutable_ptr(dbeta) : nullptr;
+      void* ws = workspace.NumElements() ? mutable_ptr(&workspace) : nullptr;
+      if constexpr (kGpu)
+        layer_norm_backward_cuda(ptr(dy), ptr(x), ptr(mean), ptr(rstd), g, b, mutable_ptr(dx), dg,
+                                 db, ws, rows, cols, /*saved_is_output=*/false, subtract_mean_,
+                                 dtype, param_dtype, gpu_stream(ctx));
+      else
+        layer_norm_backward_cpu(ptr(dy), ptr(x), ptr(mean), ptr(rstd), g, b, mutable_ptr(dx), dg,
+                                db, ws, rows, cols, /*saved_is_output=*/false, subtract_mean_,
+                                dtype, param_dtype, tf_parallel_for(ctx));
     });
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("FusedlayersLayerNorm").Device(::tensorflow::DEVICE_CPU),
-                        LayerNormOp);
-REGISTER_KERNEL_BUILDER(Name("FusedlayersLayerNormGrad").Device(::tensorflow::DEVICE_CPU),
-                        LayerNormGradOp);
+FUSEDLAYERS_REGISTER_KERNELS("FusedlayersLayerNorm", LayerNormOp, "T");
+FUSEDLAYERS_REGISTER_KERNELS("FusedlayersLayerNormGrad", LayerNormGradOp, "T");
 
 }  // namespace
 }  // namespace tf_binding

@@ -28,6 +28,7 @@ REGISTER_OP("FusedlayersReluScaleGrad")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("dx = dy * alpha where x is not <= 0, else 0.");
 
+template <bool kGpu>
 class ReluScaleOp : public OpKernel {
  public:
   explicit ReluScaleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -42,8 +43,12 @@ class ReluScaleOp : public OpKernel {
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     call_csrc(ctx, [&] {
-      relu_scale_forward_cpu(ptr(x), mutable_ptr(y), x.NumElements(), alpha_,
-                             to_dtype(x.dtype()), tf_parallel_for(ctx));
+      if constexpr (kGpu)
+        relu_scale_forward_cuda(ptr(x), mutable_ptr(y), x.NumElements(), alpha_,
+                                to_dtype(x.dtype()), gpu_stream(ctx));
+      else
+        relu_scale_forward_cpu(ptr(x), mutable_ptr(y), x.NumElements(), alpha_,
+                               to_dtype(x.dtype()), tf_parallel_for(ctx));
     });
   }
 
@@ -51,6 +56,7 @@ class ReluScaleOp : public OpKernel {
   float alpha_;
 };
 
+template <bool kGpu>
 class ReluScaleGradOp : public OpKernel {
  public:
   explicit ReluScaleGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -67,8 +73,12 @@ class ReluScaleGradOp : public OpKernel {
     Tensor* dx = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     call_csrc(ctx, [&] {
-      relu_scale_backward_cpu(ptr(dy), ptr(x), mutable_ptr(dx), x.NumElements(), alpha_,
-                              to_dtype(x.dtype()), tf_parallel_for(ctx));
+      if constexpr (kGpu)
+        relu_scale_backward_cuda(ptr(dy), ptr(x), mutable_ptr(dx), x.NumElements(), alpha_,
+                                 to_dtype(x.dtype()), gpu_stream(ctx));
+      else
+        relu_scale_backward_cpu(ptr(dy), ptr(x), mutable_ptr(dx), x.NumElements(), alpha_,
+                                to_dtype(x.dtype()), tf_parallel_for(ctx));
     });
   }
 
@@ -76,10 +86,8 @@ class ReluScaleGradOp : public OpKernel {
   float alpha_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("FusedlayersReluScale").Device(::tensorflow::DEVICE_CPU),
-                        ReluScaleOp);
-REGISTER_KERNEL_BUILDER(Name("FusedlayersReluScaleGrad").Device(::tensorflow::DEVICE_CPU),
-                        ReluScaleGradOp);
+FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScale", ReluScaleOp, "T");
+FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScaleGrad", ReluScaleGradOp, "T");
 
 }  // namespace
 }  // namespace tf_binding

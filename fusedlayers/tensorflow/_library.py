@@ -1,7 +1,14 @@
 """Builds and loads the TensorFlow op library `fusedlayers/_tf_ops.so`: the csrc kernels and the
 TF binding compiled with TensorFlow's own flags (tf.sysconfig), C++17 last on the line as TF
 2.21 needs, csrc symbols hidden so the torch extension in the same process cannot bind them.
-setup.py calls build(); with FUSEDLAYERS_JIT=1, load() builds into a cache on first use."""
+setup.py calls build(); with FUSEDLAYERS_JIT=1, load() builds into a cache on first use.
+
+With CUDA (a CUDA build of TensorFlow and nvcc, or FORCE_CUDA=1) the csrc CUDA kernels are
+compiled in and registered as GPU kernels (GOOGLE_CUDA). They launch through a CUDA runtime linked
+statically with its symbols kept private (--exclude-libs): TensorFlow exports CUDA runtime symbols
+of its own CUDA version, which a dynamically linked libcudart would otherwise bind to. The
+toolkit's runtime needs a driver that supports it (CUDA 13: driver 580 or newer).
+"""
 
 import concurrent.futures
 import hashlib
@@ -20,13 +27,43 @@ class OpLibraryNotBuiltError(RuntimeError):
     """The fusedlayers TensorFlow op library is missing or cannot be loaded."""
 
 
-def build(output: Path, verbose: bool = False) -> None:
-    """Compiles the sources (in parallel) and links the op library at `output`."""
+def cuda_build(env=os.environ) -> tuple[bool, str]:
+    """Whether build() compiles the CUDA kernels in, and why (one line)."""
     import tensorflow as tf
 
-    cflags = ["-O3", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size", *_sources.CXX_FLAGS,
-              f"-I{_sources.ROOT}", *tf.sysconfig.get_compile_flags(), "-std=c++17"]
-    sources = _sources.tensorflow_sources()
+    info = tf.sysconfig.get_build_info()
+    version = info.get("cuda_version") if info.get("is_cuda_build") else None
+    return _sources.use_cuda("tensorflow", version, _sources.find_cuda_home(env), env)
+
+
+def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None:
+    """Compiles the sources (in parallel) and links the op library at `output`; with the CUDA
+    kernels when `cuda` (default: cuda_build())."""
+    import tensorflow as tf
+
+    if cuda is None:
+        cuda, why = cuda_build()
+        print(f"fusedlayers: {'building' if cuda else 'not building'} the TensorFlow GPU "
+              f"kernels ({why})")
+    cflags = ["-O3", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size",
+              *_sources.CXX_FLAGS, f"-I{_sources.ROOT}", *tf.sysconfig.get_compile_flags(),
+              "-std=c++17"]
+    ldflags = tf.sysconfig.get_link_flags()
+    if cuda:
+        cuda_home = _sources.find_cuda_home()
+        if cuda_home is None:
+            raise OpLibraryNotBuiltError("fusedlayers: CUDA requested but no toolkit found; "
+                                         "set CUDA_HOME")
+        cflags.append("-DGOOGLE_CUDA=1")
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
+        nvcc = [f"{cuda_home}/bin/nvcc", *_sources.NVCC_FLAGS, f"-I{_sources.ROOT}",
+                *_sources.gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+        libdir = next((d for d in (Path(cuda_home) / "lib64",
+                                   Path(cuda_home) / "targets/x86_64-linux/lib")
+                       if (d / "libcudart_static.a").exists()), Path(cuda_home) / "lib64")
+        ldflags = [*ldflags, f"-L{libdir}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread",
+                   "-Wl,--exclude-libs,ALL"]
+    sources = _sources.tensorflow_sources(cuda=cuda)
     if not sources:
         raise OpLibraryNotBuiltError(f"fusedlayers: no TensorFlow sources under {_sources.ROOT}")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -43,28 +80,30 @@ def build(output: Path, verbose: bool = False) -> None:
 
         def compile_one(pair):
             src, obj = pair
-            run(["g++", *cflags, "-c", str(src), "-o", str(obj)])
+            compiler = nvcc if src.suffix == ".cu" else ["g++", *cflags]
+            run([*compiler, "-c", str(src), "-o", str(obj)])
 
         jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             list(pool.map(compile_one, zip(sources, objects)))
-        run(["g++", "-shared", "-o", str(output), *map(str, objects),
-             *tf.sysconfig.get_link_flags()])
+        run(["g++", "-shared", "-o", str(output), *map(str, objects), *ldflags])
 
 
 def _jit_library() -> Path:
     """The op library built for these sources and this TensorFlow, cached by content hash."""
     import tensorflow as tf
 
-    digest = hashlib.sha256(tf.__version__.encode())
-    for src in sorted(_sources.tensorflow_sources() + list(_sources.ROOT.glob("csrc/*.h")) +
-                      list(_sources.ROOT.glob("backends/tensorflow/*.h"))):
+    cuda, _ = cuda_build()
+    digest = hashlib.sha256(f"{tf.__version__} cuda={cuda}".encode())
+    for src in sorted(_sources.tensorflow_sources(cuda=cuda) +
+                      [*_sources.ROOT.glob("csrc/*.h"), *_sources.ROOT.glob("csrc/*.cuh"),
+                       *_sources.ROOT.glob("backends/tensorflow/*.h")]):
         digest.update(src.read_bytes())
     cache = Path(os.environ.get("FUSEDLAYERS_CACHE", Path.home() / ".cache" / "fusedlayers"))
     path = cache / f"tf_ops_{digest.hexdigest()[:16]}.so"
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        build(tmp, verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1")
+        build(tmp, verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1", cuda=cuda)
         tmp.replace(path)  # atomic: a concurrent process sees a whole library or none
     return path
 

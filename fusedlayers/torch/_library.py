@@ -19,7 +19,7 @@ class ExtensionNotBuiltError(RuntimeError):
 def _jit_build() -> None:
     from torch.utils import cpp_extension
 
-    cuda, _ = _sources.use_cuda(torch.version.cuda, cpp_extension.CUDA_HOME, os.environ)
+    cuda, _ = _sources.use_cuda("torch", torch.version.cuda, cpp_extension.CUDA_HOME, os.environ)
     sources = _sources.torch_sources(cuda=cuda)
     if not sources:
         raise ExtensionNotBuiltError(
