@@ -1,6 +1,6 @@
 // The operator schemas of the fusedlayers torch library: the single source of truth for
-// argument names and types. Implementations live in one file per op; Python adds fake
-// (meta) kernels and autograd in fusedlayers/torch/ops.py.
+// argument names and types. Implementations live in one file per op, autograd in autograd.cpp;
+// Python adds the fake (meta) kernels in fusedlayers/torch/ops.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(fusedlayers, m) {

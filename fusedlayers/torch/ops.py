@@ -1,5 +1,6 @@
-"""The fused ops on torch tensors: fake kernels and autograd for the `fusedlayers::` operators
-(schemas in backends/torch/schemas.cpp), and the functional API on top of them.
+"""The fused ops on torch tensors: fake kernels for the `fusedlayers::` operators (schemas in
+backends/torch/schemas.cpp, autograd in backends/torch/autograd.cpp), and the functional API on
+top of them.
 
 Autocast policy (decided to match the unfused ops under torch.autocast): `linear_gelu` runs in
 the autocast dtype like `torch.nn.functional.linear`; `layer_norm` runs in float32 on CUDA and in
@@ -106,7 +107,7 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _register() -> None:
     lib = "fusedlayers::"
-    fake, autograd = torch.library.register_fake, torch.library.register_autograd
+    fake = torch.library.register_fake
 
     # Fake kernels: shapes, dtypes and (contiguous) strides exactly as the real kernels return.
     @fake(lib + "relu_scale")
@@ -145,54 +146,6 @@ def _register() -> None:
         _check_devices("linear_gelu_backward", "input", x, grad_out=grad_out, weight=weight)
         return (x.new_empty(x.shape), weight.new_empty(weight.shape),
                 x.new_empty(weight.shape[0] if has_bias else 0))
-
-    # Autograd: each backward calls only the backward custom op, so it traces under compile.
-    def relu_scale_setup(ctx, inputs, output):
-        x, ctx.alpha = inputs
-        ctx.save_for_backward(x)
-
-    def relu_scale_backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return torch.ops.fusedlayers.relu_scale_backward(grad, x, ctx.alpha), None
-
-    autograd(lib + "relu_scale", relu_scale_backward, setup_context=relu_scale_setup)
-
-    def layer_norm_setup(ctx, inputs, output):
-        x, ctx.normalized_shape, weight, bias, _, ctx.memory_efficient, ctx.subtract_mean = inputs
-        y, mean, rstd = output
-        ctx.mark_non_differentiable(mean, rstd)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for mean and rstd
-        ctx.save_for_backward(y if ctx.memory_efficient else x, mean, rstd, weight, bias)
-
-    def layer_norm_backward(ctx, grad, _grad_mean, _grad_rstd):
-        saved, mean, rstd, weight, bias = ctx.saved_tensors
-        if grad is None:  # only mean/rstd were used: nothing flows back
-            return None, None, None, None, None, None, None
-        dx, dw, db = torch.ops.fusedlayers.layer_norm_backward(
-            grad, saved, mean, rstd, ctx.normalized_shape, weight, bias, ctx.memory_efficient,
-            ctx.subtract_mean)
-        return (dx, None, None if weight is None else dw, None if bias is None else db,
-                None, None, None)
-
-    autograd(lib + "layer_norm", layer_norm_backward, setup_context=layer_norm_setup)
-
-    def linear_gelu_setup(ctx, inputs, output):
-        x, weight, bias, ctx.approximate = inputs
-        _, pre = output
-        ctx.has_bias = bias is not None
-        ctx.mark_non_differentiable(pre)
-        ctx.set_materialize_grads(False)  # no zero-filled gradient for the unused pre output
-        ctx.save_for_backward(x, weight, pre)
-
-    def linear_gelu_backward(ctx, grad, _grad_pre):
-        x, weight, pre = ctx.saved_tensors
-        if grad is None:  # only pre was used, and it is not differentiable
-            return None, None, None, None
-        dx, dw, db = torch.ops.fusedlayers.linear_gelu_backward(
-            grad, x, weight, pre, ctx.has_bias, ctx.approximate)
-        return dx, dw, db if ctx.has_bias else None, None
-
-    autograd(lib + "linear_gelu", linear_gelu_backward, setup_context=linear_gelu_setup)
 
 
 if _LOAD_ERROR is None:
