@@ -170,7 +170,7 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
 size_t bias_gelu_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
   check_sizes("bias_gelu_backward", rows, cols);
   const size_t acc_bytes = dtype == DType::kFloat64 ? 8 : 4;
-  return static_cast<size_t>(cpu::num_chunks(rows)) * static_cast<size_t>(cols) * acc_bytes;
+  return static_cast<size_t>(cpu::num_chunks(rows, cols)) * static_cast<size_t>(cols) * acc_bytes;
 }
 
 void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* dbias,
@@ -183,7 +183,7 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
     using T = decltype(tag);
     using A = typename cpu::Acc<T>::type;
     A* partial = static_cast<A*>(workspace);  // [chunk][cols]
-    const int64_t chunks = cpu::num_chunks(rows);
+    const int64_t chunks = cpu::num_chunks(rows, cols);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
       std::vector<A> buf(static_cast<size_t>(2 * cols));
@@ -209,11 +209,8 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
     if (!dbias) return;
     T* dbp = static_cast<T*>(dbias);
     parallel_for(cols, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        A s = 0;
-        for (int64_t c = 0; c < chunks; ++c) s += partial[c * cols + j];  // fixed order
-        dbp[j] = cpu::from_acc<T>(s);
-      }
+      cpu::sum_chunks(partial, chunks, cols, begin, end,
+                      [&](int64_t j, A sum) { dbp[j] = cpu::from_acc<T>(sum); });
     });
   });
 }

@@ -4,6 +4,7 @@
 // half of a float32, rounded to nearest even.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -99,11 +100,32 @@ const A* staged(const T* src, A* buf, int64_t n) {
   }
 }
 
-// Chunks of rows for column sums (dgamma, dbeta, dbias): a count fixed by rows alone, never by
-// the thread count, so per-chunk partials summed in chunk order give reproducible results.
-inline int64_t num_chunks(int64_t rows) {
-  constexpr int64_t kMaxChunks = 64;
-  return rows < 1 ? 1 : (rows < kMaxChunks ? rows : kMaxChunks);
+// Chunks of rows for column sums (dgamma, dbeta, dbias): a count fixed by the shape alone, never
+// by the thread count, so per-chunk partials summed in chunk order give reproducible results.
+// At least kMinChunkElements per chunk: each chunk zeroes, accumulates and re-reads a row of
+// partials, which for small inputs would cost more than the rows themselves.
+inline int64_t num_chunks(int64_t rows, int64_t cols) {
+  constexpr int64_t kMaxChunks = 64, kMinChunkElements = 32768;
+  const int64_t by_size = rows * cols / kMinChunkElements;
+  return std::max<int64_t>(1, std::min({rows, kMaxChunks, by_size}));
+}
+
+// Column sums of per-chunk partials: visits columns [begin, end) of `chunks` rows `stride` apart
+// and calls out(j, sum) with the chunks added in chunk order (reproducible). Walks row by row:
+// a column walk with a power-of-two stride maps every access to one cache set and thrashes L1.
+template <typename A, typename Out>
+void sum_chunks(const A* partial, int64_t chunks, int64_t stride, int64_t begin, int64_t end,
+                Out&& out) {
+  constexpr int64_t kBlock = 256;  // columns summed at a time, held in a register-sized buffer
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = std::min(kBlock, end - b);
+    A acc[kBlock] = {};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const A* row = partial + c * stride + b;
+      for (int64_t j = 0; j < n; ++j) acc[j] += row[j];
+    }
+    for (int64_t j = 0; j < n; ++j) out(b + j, acc[j]);
+  }
 }
 
 // Calls fn(T{}) with T the storage type of `dtype`.

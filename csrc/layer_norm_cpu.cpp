@@ -78,7 +78,7 @@ void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, 
 size_t layer_norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
   check_sizes("layer_norm_backward", rows, cols);
   const size_t acc_bytes = dtype == DType::kFloat64 ? 8 : 4;
-  return static_cast<size_t>(cpu::num_chunks(rows)) * 2 * static_cast<size_t>(cols) * acc_bytes;
+  return static_cast<size_t>(cpu::num_chunks(rows, cols)) * 2 * static_cast<size_t>(cols) * acc_bytes;
 }
 
 void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean,
@@ -102,7 +102,7 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
     const std::vector<A> g = cpu::param_or<P, A>(gamma, cols, A(1));
     const std::vector<A> b = cpu::param_or<P, A>(beta, cols, A(0));
     A* partial = static_cast<A*>(workspace);  // [chunk][dgamma | dbeta][cols]
-    const int64_t chunks = cpu::num_chunks(rows);
+    const int64_t chunks = cpu::num_chunks(rows, cols);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
 
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
@@ -159,15 +159,12 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
     P* dgp = static_cast<P*>(dgamma);
     P* dbp = static_cast<P*>(dbeta);
     parallel_for(cols, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        A sg = 0, sb = 0;
-        for (int64_t c = 0; c < chunks; ++c) {  // fixed order: deterministic
-          sg += partial[c * 2 * cols + j];
-          sb += partial[c * 2 * cols + cols + j];
-        }
-        if (dgp) dgp[j] = cpu::from_acc<P>(sg);
-        if (dbp) dbp[j] = cpu::from_acc<P>(sb);
-      }
+      if (dgp)
+        cpu::sum_chunks(partial, chunks, 2 * cols, begin, end,
+                        [&](int64_t j, A sum) { dgp[j] = cpu::from_acc<P>(sum); });
+      if (dbp)
+        cpu::sum_chunks(partial + cols, chunks, 2 * cols, begin, end,
+                        [&](int64_t j, A sum) { dbp[j] = cpu::from_acc<P>(sum); });
     });
   });
 }
