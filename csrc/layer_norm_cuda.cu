@@ -9,8 +9,9 @@
 //
 // Backward: each row slot accumulates dgamma/dbeta for its columns in registers over the rows it
 // visits; a block sums its slots in shared memory and writes one row of partials to the
-// workspace, and a second kernel sums those per column in block order. The grid depends only on
-// the device's SM count, so results are reproducible.
+// workspace, and a second kernel sums those per column in block order. The grid is the blocks
+// the device holds at once (SM count times the kernel's occupancy), fixed per device and kernel,
+// so results are reproducible. The forward has no such partials: one row group per block.
 #include <algorithm>
 #include <tuple>
 
@@ -32,20 +33,24 @@ struct Shape {  // W warps per row, I vectors per thread
   static constexpr int kBlock = kThreads * kRowsPerBlock;
 };
 
-// Kernel shapes by width, smallest first: the first whose capacity 32 * W * I * N covers cols
-// and whose I * N row elements per thread fit the register budget is used. At most 512 threads
-// per row, so __launch_bounds__ leaves 128 registers a thread: the forward keeps one fp32 copy
-// of its elements, the backward four (x, dy, and its dgamma/dbeta partials), hence the budgets
-// (ptxas -v reports no spills for any instantiation).
+// Kernel shapes by width, smallest capacity first: the first whose capacity 32 * W * I * N
+// covers cols and whose I * N row elements per thread fit the register budget is used. The
+// entries fit the common widths exactly (768 ... 12288 for both vector widths), so no thread
+// carries idle iterations. At most 512 threads per row, so __launch_bounds__ leaves 128
+// registers a thread: the forward keeps one fp32 copy of its elements, the backward four (x, dy,
+// and its dgamma/dbeta partials), hence the budgets (ptxas -v reports no spills for any
+// instantiation).
 //   bf16/fp16 (N = 8): forward in registers up to 32768 cols, backward up to 12288;
 //   fp32      (N = 4): forward up to 32768, backward up to 12288; unaligned (N = 1): a quarter
 //   of those for fp32, an eighth for half types.
 using ForwardShapes = std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<1, 4>, Shape<1, 8>,
-                                 Shape<4, 4>, Shape<8, 4>, Shape<16, 4>, Shape<16, 8>,
-                                 Shape<16, 16>>;
+                                 Shape<4, 4>, Shape<8, 4>, Shape<12, 4>, Shape<16, 4>,
+                                 Shape<12, 8>, Shape<16, 8>, Shape<16, 16>>;
 constexpr int kForwardMaxPerThread = 64;
-using BackwardShapes = std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<2, 3>, Shape<4, 3>,
-                                  Shape<8, 3>, Shape<16, 3>, Shape<16, 6>>;
+using BackwardShapes =
+    std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<2, 2>, Shape<2, 3>, Shape<4, 2>,
+               Shape<4, 3>, Shape<8, 2>, Shape<8, 3>, Shape<16, 2>, Shape<16, 3>, Shape<16, 4>,
+               Shape<16, 6>>;
 constexpr int kBackwardMaxPerThread = 24;
 constexpr int kBackwardMaxBlocksPerSm = 8;  // each block adds a row of partials to reduce
 constexpr int kStreamThreads = 1024;
@@ -144,31 +149,38 @@ __global__ void __launch_bounds__(S::kBlock)
     load_row<T, N, S>(dy + r * cols, cols, lane, g);
     const A rs = rstd[r];
     const A mu = saved_is_output ? A(0) : mean[r];
-    A sum_g = 0, sum_gx = 0;
+    // Scale-only (subtract_mean = false): dx needs rstd * mean(g * x), summed on raw x, since
+    // mean(g * xhat) + mean * rstd * mean(g) cancels for rows far from zero; and x - mean is
+    // re-centred by its own residual (sum_c), so the rounding of the stored mean does not enter.
+    A sum_g = 0, sum_gx = 0, sum_c = 0;
 #pragma unroll
     for (int it = 0; it < S::kIters; ++it) {
       const int c = (it * S::kThreads + lane) * N;
       if (c >= cols) continue;
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const A d = g[it][k];
-        if (!subtract_mean) dg[it][k] += d * xh[it][k] * rs;  // dgamma = sum dy x rstd
+        const A d = g[it][k], x_raw = xh[it][k];
         xh[it][k] = saved_is_output
-                        ? (xh[it][k] - param(beta, c + k, A(0))) / param(gamma, c + k, A(1))
-                        : (xh[it][k] - mu) * rs;
+                        ? (x_raw - param(beta, c + k, A(0))) / param(gamma, c + k, A(1))
+                        : (x_raw - mu) * rs;
+        g[it][k] = d * param(gamma, c + k, A(1));
+        sum_g += g[it][k];
         if (subtract_mean) {
           dg[it][k] += d * xh[it][k];
           db[it][k] += d;
+          sum_gx += g[it][k] * xh[it][k];
+        } else {
+          dg[it][k] += d * x_raw * rs;  // dgamma = sum dy x rstd
+          sum_gx += g[it][k] * x_raw;
+          sum_c += x_raw - mu;
         }
-        g[it][k] = d * param(gamma, c + k, A(1));
-        sum_g += g[it][k];
-        sum_gx += g[it][k] * xh[it][k];
       }
     }
     const A mg = row_sum<S::kWarps>(sum_g, smem) / A(cols);
     const A mgx = row_sum<S::kWarps>(sum_gx, smem) / A(cols);
+    const A shift = subtract_mean ? A(0) : row_sum<S::kWarps>(sum_c, smem) / A(cols) * rs;
     const A k_mean = subtract_mean ? mg : A(0);
-    const A k_xhat = subtract_mean ? mgx : mgx + mu * rs * mg;
+    const A k_xhat = subtract_mean ? mgx : rs * mgx;
     T* dxr = dx + r * cols;
 #pragma unroll
     for (int it = 0; it < S::kIters; ++it) {
@@ -176,7 +188,8 @@ __global__ void __launch_bounds__(S::kBlock)
       if (c >= cols) continue;
       cuda::Vec<T, N> out;
 #pragma unroll
-      for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(rs * (g[it][k] - k_mean - xh[it][k] * k_xhat));
+      for (int k = 0; k < N; ++k)
+        out.v[k] = from_acc<T>(rs * (g[it][k] - k_mean - (xh[it][k] - shift) * k_xhat));
       *reinterpret_cast<cuda::Vec<T, N>*>(dxr + c) = out;
     }
   }
@@ -268,23 +281,29 @@ __global__ void __launch_bounds__(kStreamThreads)
       return saved_is_output ? (to_acc(sr[c]) - param(beta, c, A(0))) / param(gamma, c, A(1))
                              : (to_acc(sr[c]) - mu) * rs;
     };
-    A sum_g = 0, sum_gx = 0;
+    A sum_g = 0, sum_gx = 0, sum_c = 0;  // scale-only sums as in backward_kernel
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const A d = to_acc(dyr[c]), xh = xhat(c), g = d * param(gamma, c, A(1));
+      const A d = to_acc(dyr[c]), x_raw = to_acc(sr[c]), g = d * param(gamma, c, A(1));
       sum_g += g;
-      sum_gx += g * xh;
+      if (subtract_mean) {
+        sum_gx += g * xhat(c);
+      } else {
+        sum_gx += g * x_raw;
+        sum_c += x_raw - mu;
+      }
       if (pg) {  // each column is owned by one thread: no race
-        pg[c] += subtract_mean ? d * xh : d * to_acc(sr[c]) * rs;
+        pg[c] += subtract_mean ? d * xhat(c) : d * x_raw * rs;
         pg[cols + c] += d;
       }
     }
     const A mg = cuda::block_sum(sum_g, smem) / A(cols);
     const A mgx = cuda::block_sum(sum_gx, smem) / A(cols);
+    const A shift = subtract_mean ? A(0) : cuda::block_sum(sum_c, smem) / A(cols) * rs;
     const A k_mean = subtract_mean ? mg : A(0);
-    const A k_xhat = subtract_mean ? mgx : mgx + mu * rs * mg;
+    const A k_xhat = subtract_mean ? mgx : rs * mgx;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
       const A g = to_acc(dyr[c]) * param(gamma, c, A(1));
-      dx[r * cols + c] = from_acc<T>(rs * (g - k_mean - xhat(c) * k_xhat));
+      dx[r * cols + c] = from_acc<T>(rs * (g - k_mean - (xhat(c) - shift) * k_xhat));
     }
   }
 }
@@ -364,6 +383,20 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
   });
 }
 
+// Blocks of `kernel` one SM holds at once (registers, shared memory, threads), at most
+// kBackwardMaxBlocksPerSm. Computed once per kernel: it depends on the kernel and the
+// architecture only.
+template <auto Kernel>
+int64_t resident_blocks(int threads) {
+  static const int64_t blocks = [&] {
+    int n = 0;
+    cuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, 0),
+                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return std::clamp<int64_t>(n, 1, kBackwardMaxBlocksPerSm);
+  }();
+  return blocks;
+}
+
 int64_t backward_groups_max() { return int64_t(cuda::sm_count()) * kBackwardMaxBlocksPerSm; }
 
 }  // namespace
@@ -383,12 +416,15 @@ void layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta,
     const P* bp = static_cast<const P*>(beta);
     A* mp = static_cast<A*>(mean);
     A* rp = static_cast<A*>(rstd);
-    const int64_t max_blocks = int64_t(cuda::sm_count()) * 32;
+    const int64_t max_blocks = int64_t(cuda::sm_count()) * 32;  // streaming kernel
     auto launch = [&](auto n_tag) {
       constexpr int N = decltype(n_tag)::value;
       return with_shape<ForwardShapes, kForwardMaxPerThread, N>(cols, [&](auto s) {
         using S = decltype(s);
-        const int64_t blocks = std::min((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock, max_blocks);
+        // A block per row group, no persistent loop: blocks start as SMs free up, so the
+        // loads of the next rows overlap the reductions and stores of the current ones.
+        const int64_t blocks = std::min<int64_t>((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
+                                                 INT32_MAX);
         forward_kernel<T, P, N, S><<<blocks, S::kBlock, 0, stream>>>(
             xp, gp, bp, yp, mp, rp, rows, int(cols), A(eps), subtract_mean);
       });
@@ -435,8 +471,8 @@ void layer_norm_backward_cuda(const void* dy, const void* saved, const void* mea
       constexpr int N = decltype(n_tag)::value;
       return with_shape<BackwardShapes, kBackwardMaxPerThread, N>(cols, [&](auto s) {
         using S = decltype(s);
-        // Resident blocks only (a full SM holds 2048 threads), so every block gets rows.
-        const int64_t per_sm = std::min(kBackwardMaxBlocksPerSm, 2048 / S::kBlock);
+        // Resident blocks only, so every block gets rows and none waits for a second wave.
+        const int64_t per_sm = resident_blocks<backward_kernel<T, P, N, S>>(S::kBlock);
         const int64_t blocks = std::max<int64_t>(
             1, std::min((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
                         int64_t(cuda::sm_count()) * per_sm));

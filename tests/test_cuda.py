@@ -109,6 +109,26 @@ def test_layer_norm_non_contiguous_and_rms_mode():
     assert rel_err(y, ref) < 1e-6
 
 
+@pytest.mark.parametrize("offset", [0.0, 10.0])
+def test_layer_norm_rms_mode_gradients(offset):
+    """Keras' rms_scaling backward against float64 autograd, also for rows whose mean is 10
+    standard deviations from zero, where the textbook form of dx cancels."""
+    x = (torch.randn(4096, 768, device="cuda") + offset).requires_grad_()
+    w = (1 + 0.1 * torch.randn(768, device="cuda")).requires_grad_()
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-3) * w
+
+    y = torch.ops.fusedlayers.layer_norm(x, [768], w, None, 1e-3, False, False)[0]
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    hx, hw = torch.autograd.grad(rms(x, w), (x, w), dy)  # torch in float32
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    rx, rw = torch.autograd.grad(rms(xd, wd), (xd, wd), dy.double())
+    assert_close(gx, hx, rx, torch.float32, "dx")
+    assert_close(gw, hw, rw, torch.float32, "dgamma")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_relu_scale_bitwise_with_torch(dtype):
     x = torch.randn(1000, 4099, device="cuda", dtype=dtype)
