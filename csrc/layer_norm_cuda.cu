@@ -86,6 +86,20 @@ __device__ __forceinline__ void load_row(const T* row, int cols, int lane, A (&v
   }
 }
 
+// Writes a thread's share of a row: element k of vector `it` (column c + k) is value(it, k, c).
+template <typename T, int N, typename S, typename Value>
+__device__ __forceinline__ void store_row(T* row, int cols, int lane, Value&& value) {
+#pragma unroll
+  for (int it = 0; it < S::kIters; ++it) {
+    const int c = (it * S::kThreads + lane) * N;
+    if (c >= cols) continue;
+    cuda::Vec<T, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(value(it, k, c));
+    *reinterpret_cast<cuda::Vec<T, N>*>(row + c) = out;
+  }
+}
+
 template <typename T, typename P, int N, typename S>
 __global__ void __launch_bounds__(S::kBlock)
     forward_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
@@ -112,18 +126,9 @@ __global__ void __launch_bounds__(S::kBlock)
     }
     const A rs = A(1) / sqrtf(row_sum<S::kWarps>(sq, smem) / A(cols) + eps);
     const A shift = subtract_mean ? mu : A(0);
-    T* yr = y + r * cols;
-#pragma unroll
-    for (int it = 0; it < S::kIters; ++it) {
-      const int c = (it * S::kThreads + lane) * N;
-      if (c >= cols) continue;
-      cuda::Vec<T, N> out;
-#pragma unroll
-      for (int k = 0; k < N; ++k)
-        out.v[k] = from_acc<T>((v[it][k] - shift) * rs * param(gamma, c + k, A(1)) +
-                               param(beta, c + k, A(0)));
-      *reinterpret_cast<cuda::Vec<T, N>*>(yr + c) = out;
-    }
+    store_row<T, N, S>(y + r * cols, cols, lane, [&](int it, int k, int c) {
+      return (v[it][k] - shift) * rs * param(gamma, c + k, A(1)) + param(beta, c + k, A(0));
+    });
     if (lane == 0) {
       mean[r] = mu;
       rstd[r] = rs;
@@ -181,17 +186,9 @@ __global__ void __launch_bounds__(S::kBlock)
     const A shift = subtract_mean ? A(0) : row_sum<S::kWarps>(sum_c, smem) / A(cols) * rs;
     const A k_mean = subtract_mean ? mg : A(0);
     const A k_xhat = subtract_mean ? mgx : rs * mgx;
-    T* dxr = dx + r * cols;
-#pragma unroll
-    for (int it = 0; it < S::kIters; ++it) {
-      const int c = (it * S::kThreads + lane) * N;
-      if (c >= cols) continue;
-      cuda::Vec<T, N> out;
-#pragma unroll
-      for (int k = 0; k < N; ++k)
-        out.v[k] = from_acc<T>(rs * (g[it][k] - k_mean - (xh[it][k] - shift) * k_xhat));
-      *reinterpret_cast<cuda::Vec<T, N>*>(dxr + c) = out;
-    }
+    store_row<T, N, S>(dx + r * cols, cols, lane, [&](int it, int k, int) {
+      return rs * (g[it][k] - k_mean - (xh[it][k] - shift) * k_xhat);
+    });
   }
   if (!partial) return;
   if constexpr (S::kRowsPerBlock > 1) {  // sum the block's row slots, in slot order
