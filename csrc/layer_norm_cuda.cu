@@ -3,16 +3,23 @@
 // Forward and backward hold a row in registers: a thread owns kIters vectors of N elements
 // (N * sizeof(T) = 16 bytes when the rows are 16-byte aligned, else N = 1), at columns
 // (it * threads_per_row + lane) * N, so loads are coalesced across the row's threads. Narrow rows
-// get one warp each (4 rows per 128-thread block, no __syncthreads), wide rows a whole block.
+// get one warp each (reduced by shuffles), wider rows 2 to 16 warps. A block holds 8 warps' worth
+// of rows, or one row of 12 or 16 warps; each row slot synchronizes on its own named barrier.
 // The kernel shape is picked by width from the tables below; rows wider than the largest entry
 // use the streaming kernels (block per row, re-reading the row from global memory / L2).
 //
-// Backward: each row slot accumulates dgamma/dbeta for its columns in registers over the rows it
-// visits; a block sums its slots in shared memory and writes one row of partials to the
+// Backward: registers hold the row's x and dy as stored (16-bit types stay packed), and each row
+// slot accumulates dgamma/dbeta for its columns in shared memory over the rows it visits, so a
+// bf16 row costs a quarter of the registers an fp32 copy of x, dy, dgamma and dbeta would, and
+// more rows are in flight per SM. A block sums its slots and writes one row of partials to the
 // workspace, and a second kernel sums those per column in block order. The grid is the blocks
 // the device holds at once (SM count times the kernel's occupancy), fixed per device and kernel,
 // so results are reproducible. The forward has no such partials: one row group per block.
+//
+// gamma/beta are read as vectors like the rows (the launchers check their alignment too): one
+// 16-byte load per 8 bf16 columns instead of 8 scalar loads.
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 
 #include "cuda_common.cuh"
@@ -28,55 +35,116 @@ using A = float;  // accumulation type: the CUDA path takes float32/float16/bflo
 template <int W, int I>
 struct Shape {  // W warps per row, I vectors per thread
   static constexpr int kWarps = W, kIters = I, kThreads = 32 * W;
-  // A warp per row packs 4 rows in a block; wider rows reduce over the block, one row a block.
-  static constexpr int kRowsPerBlock = W == 1 ? 4 : 1;
+  // Blocks of 256 threads (one row of 8 or more warps): the backward's partials bound the blocks
+  // per SM, so the rows per block must not bound the rows in flight.
+  static constexpr int kRowsPerBlock = W >= 8 ? 1 : 8 / W;
   static constexpr int kBlock = kThreads * kRowsPerBlock;
 };
 
-// Kernel shapes by width, smallest capacity first: the first whose capacity 32 * W * I * N
-// covers cols and whose I * N row elements per thread fit the register budget is used. The
-// entries fit the common widths exactly (768 ... 12288 for both vector widths), so no thread
-// carries idle iterations. At most 512 threads per row, so __launch_bounds__ leaves 128
-// registers a thread: the forward keeps one fp32 copy of its elements, the backward four (x, dy,
-// and its dgamma/dbeta partials), hence the budgets (ptxas -v reports no spills for any
-// instantiation).
-//   bf16/fp16 (N = 8): forward in registers up to 32768 cols, backward up to 12288;
-//   fp32      (N = 4): forward up to 32768, backward up to 12288; unaligned (N = 1): a quarter
-//   of those for fp32, an eighth for half types.
-using ForwardShapes = std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<1, 4>, Shape<1, 8>,
-                                 Shape<4, 4>, Shape<8, 4>, Shape<12, 4>, Shape<16, 4>,
-                                 Shape<12, 8>, Shape<16, 8>, Shape<16, 16>>;
-constexpr int kForwardMaxPerThread = 64;
-using BackwardShapes =
+// Kernel shapes by width, per element size, smallest capacity first: the first whose capacity
+// 32 * W * I * N covers cols is used. The entries fit the common widths exactly (768 ... 12288),
+// so no thread carries idle iterations. At most 512 threads per row, so __launch_bounds__ leaves
+// 128 registers a thread. The forward keeps an fp32 copy of its elements (at most 64), the
+// backward x and dy as stored (at most 32 bf16/fp16 or 24 fp32 elements): in registers, the
+// forward handles rows up to 32768 cols, the backward up to 16384 (bf16/fp16) or 12288 (fp32)
+// cols; unaligned rows (N = 1) an eighth (half types) or a quarter (fp32) of that. ptxas spills a
+// few loop-invariant values (under 40 bytes) in the 12-warp forward for 16-bit types and the
+// 16 x 4 fp32 backward, to fit one more block per SM.
+using ForwardShapes16 = std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<1, 4>, Shape<1, 8>,
+                                   Shape<4, 4>, Shape<8, 4>, Shape<12, 4>, Shape<16, 4>,
+                                   Shape<12, 8>, Shape<16, 8>>;
+using ForwardShapes32 = std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<1, 4>, Shape<1, 8>,
+                                   Shape<4, 4>, Shape<8, 4>, Shape<12, 4>, Shape<16, 4>,
+                                   Shape<12, 8>, Shape<16, 8>, Shape<16, 16>>;
+// The backward has 8-warp rows up to 8192 bf16 cols: more rows in flight than 16 warps with
+// half the elements each, whose fixed registers cost more than the row's.
+using BackwardShapes16 =
+    std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<2, 2>, Shape<2, 3>, Shape<4, 2>,
+               Shape<4, 3>, Shape<8, 2>, Shape<8, 3>, Shape<8, 4>, Shape<16, 3>, Shape<16, 4>>;
+using BackwardShapes32 =
     std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<2, 2>, Shape<2, 3>, Shape<4, 2>,
                Shape<4, 3>, Shape<8, 2>, Shape<8, 3>, Shape<16, 2>, Shape<16, 3>, Shape<16, 4>,
                Shape<16, 6>>;
-constexpr int kBackwardMaxPerThread = 24;
+template <typename T, typename Shapes16, typename Shapes32>
+using ShapesFor = std::conditional_t<sizeof(T) == 2, Shapes16, Shapes32>;
 constexpr int kBackwardMaxBlocksPerSm = 8;  // each block adds a row of partials to reduce
 constexpr int kStreamThreads = 1024;
+
+template <typename T, int N>
+using Vec = cuda::Vec<T, N>;
 
 template <typename P>
 __device__ __forceinline__ A param(const P* p, int64_t i, A absent) {
   return p ? A(to_acc(p[i])) : absent;
 }
 
-// Sum over the threads of one row: a warp, or the whole block.
-template <int W>
-__device__ __forceinline__ A row_sum(A v, A* smem) {
-  if constexpr (W == 1) {
-    return cuda::warp_sum(v);
+// gamma or beta at columns c ... c + N - 1 (`absent` where p is null), as one vector load.
+template <int N, typename P>
+__device__ __forceinline__ void load_param(const P* p, int c, A absent, A (&out)[N]) {
+  if (p) {
+    const auto v = *reinterpret_cast<const Vec<P, N>*>(p + c);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = to_acc(v.v[k]);
   } else {
-    return cuda::block_sum(v, smem);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = absent;
   }
 }
 
+// Barrier over the threads of one row slot: named barrier 1 + slot (0 is __syncthreads').
+template <typename S>
+__device__ __forceinline__ void slot_sync(int slot) {
+  if constexpr (S::kRowsPerBlock == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(slot + 1), "r"(S::kThreads) : "memory");
+  }
+}
+
+// Sums K values over the threads of one row slot in one round of barriers; `smem` holds
+// kRowsPerBlock * kWarps * K values.
+template <typename S, int K>
+__device__ __forceinline__ void row_sums(A (&v)[K], A* smem, int slot, int lane) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) v[i] = cuda::warp_sum(v[i]);
+  if constexpr (S::kWarps > 1) {
+    A* s = smem + slot * S::kWarps * K;
+    slot_sync<S>(slot);  // the previous round's reads are done
+    if (lane % 32 == 0)
+#pragma unroll
+      for (int i = 0; i < K; ++i) s[lane / 32 * K + i] = v[i];
+    slot_sync<S>(slot);
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      A total = 0;
+#pragma unroll
+      for (int w = 0; w < S::kWarps; ++w) total += s[w * K + i];  // same order in every thread
+      v[i] = total;
+    }
+  }
+}
+
+template <typename S>
+__device__ __forceinline__ A row_sum(A v, A* smem, int slot, int lane) {
+  A sums[1] = {v};
+  row_sums<S>(sums, smem, slot, lane);
+  return sums[0];
+}
+
+// Column of element k of a thread's vector `it` is column(it) + k.
+template <int N, typename S>
+__device__ __forceinline__ int column(int it, int lane) {
+  return (it * S::kThreads + lane) * N;
+}
+
+// A thread's share of a row as fp32, zero past cols.
 template <typename T, int N, typename S>
 __device__ __forceinline__ void load_row(const T* row, int cols, int lane, A (&v)[S::kIters][N]) {
 #pragma unroll
   for (int it = 0; it < S::kIters; ++it) {
-    const int c = (it * S::kThreads + lane) * N;
+    const int c = column<N, S>(it, lane);
     if (c < cols) {
-      const auto in = *reinterpret_cast<const cuda::Vec<T, N>*>(row + c);
+      const auto in = *reinterpret_cast<const Vec<T, N>*>(row + c);
 #pragma unroll
       for (int k = 0; k < N; ++k) v[it][k] = to_acc(in.v[k]);
     } else {
@@ -86,17 +154,31 @@ __device__ __forceinline__ void load_row(const T* row, int cols, int lane, A (&v
   }
 }
 
-// Writes a thread's share of a row: element k of vector `it` (column c + k) is value(it, k, c).
-template <typename T, int N, typename S, typename Value>
-__device__ __forceinline__ void store_row(T* row, int cols, int lane, Value&& value) {
+// A thread's share of a row as stored; vectors past cols are left unset and never read.
+template <typename T, int N, typename S>
+__device__ __forceinline__ void load_raw(const T* row, int cols, int lane,
+                                         Vec<T, N> (&v)[S::kIters]) {
 #pragma unroll
   for (int it = 0; it < S::kIters; ++it) {
-    const int c = (it * S::kThreads + lane) * N;
-    if (c >= cols) continue;
-    cuda::Vec<T, N> out;
+    const int c = column<N, S>(it, lane);
+    if (c < cols) v[it] = *reinterpret_cast<const Vec<T, N>*>(row + c);
+  }
+}
+
+// Writes a thread's share of a row: fill(it, c, out) sets the N values of vector `it`, whose
+// first column is c.
+template <typename T, int N, typename S, typename Fill>
+__device__ __forceinline__ void store_row(T* row, int cols, int lane, Fill&& fill) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(value(it, k, c));
-    *reinterpret_cast<cuda::Vec<T, N>*>(row + c) = out;
+  for (int it = 0; it < S::kIters; ++it) {
+    const int c = column<N, S>(it, lane);
+    if (c >= cols) continue;
+    A v[N];
+    fill(it, c, v);
+    Vec<T, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(v[k]);
+    *reinterpret_cast<Vec<T, N>*>(row + c) = out;
   }
 }
 
@@ -104,8 +186,9 @@ template <typename T, typename P, int N, typename S>
 __global__ void __launch_bounds__(S::kBlock)
     forward_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
                    const P* __restrict__ beta, T* __restrict__ y, A* __restrict__ mean,
-                   A* __restrict__ rstd, int64_t rows, int cols, A eps, bool subtract_mean) {
-  __shared__ A smem[32];
+                   A* __restrict__ rstd, int64_t rows, int cols, A inv_cols, A eps,
+                   bool subtract_mean) {
+  __shared__ A smem[S::kRowsPerBlock * S::kWarps];
   const int slot = threadIdx.x / S::kThreads, lane = threadIdx.x % S::kThreads;
   for (int64_t r = int64_t(blockIdx.x) * S::kRowsPerBlock + slot; r < rows;
        r += int64_t(gridDim.x) * S::kRowsPerBlock) {
@@ -116,18 +199,22 @@ __global__ void __launch_bounds__(S::kBlock)
     for (int it = 0; it < S::kIters; ++it)
 #pragma unroll
       for (int k = 0; k < N; ++k) sum += v[it][k];
-    const A mu = row_sum<S::kWarps>(sum, smem) / A(cols);
+    const A mu = row_sum<S>(sum, smem, slot, lane) * inv_cols;
     A sq = 0;
 #pragma unroll
     for (int it = 0; it < S::kIters; ++it) {
-      if ((it * S::kThreads + lane) * N >= cols) continue;  // padding never enters the variance
+      if (column<N, S>(it, lane) >= cols) continue;  // padding never enters the variance
 #pragma unroll
       for (int k = 0; k < N; ++k) sq += (v[it][k] - mu) * (v[it][k] - mu);
     }
-    const A rs = A(1) / sqrtf(row_sum<S::kWarps>(sq, smem) / A(cols) + eps);
+    const A rs = rsqrtf(row_sum<S>(sq, smem, slot, lane) * inv_cols + eps);
     const A shift = subtract_mean ? mu : A(0);
-    store_row<T, N, S>(y + r * cols, cols, lane, [&](int it, int k, int c) {
-      return (v[it][k] - shift) * rs * param(gamma, c + k, A(1)) + param(beta, c + k, A(0));
+    store_row<T, N, S>(y + r * cols, cols, lane, [&](int it, int c, A(&out)[N]) {
+      A g[N], b[N];
+      load_param(gamma, c, A(1), g);
+      load_param(beta, c, A(0), b);
+#pragma unroll
+      for (int k = 0; k < N; ++k) out[k] = (v[it][k] - shift) * rs * g[k] + b[k];
     });
     if (lane == 0) {
       mean[r] = mu;
@@ -136,95 +223,133 @@ __global__ void __launch_bounds__(S::kBlock)
   }
 }
 
-// dx for one row from registers; accumulates this slot's dgamma/dbeta partials.
+// A block's dgamma/dbeta accumulators in dynamic shared memory: per row slot, dgamma then dbeta,
+// each as [kIters][N / kChunk][kThreads] chunks of kChunk floats, so that a warp's accesses are
+// consecutive 16-byte vectors (no bank conflicts).
+template <int N, typename S>
+struct Partials {
+  static constexpr int kChunk = N < 4 ? N : 4, kChunks = N / kChunk;
+  using Chunk = Vec<A, kChunk>;
+  static constexpr size_t kBytes =
+      size_t(S::kRowsPerBlock) * 2 * S::kIters * N * S::kThreads * sizeof(A);
+  Chunk* base;
+  __device__ __forceinline__ Chunk& at(int slot, int which, int it, int q, int lane) const {
+    return base[(((slot * 2 + which) * S::kIters + it) * kChunks + q) * S::kThreads + lane];
+  }
+};
+
+// dx for each row from registers; with `partial`, adds this slot's dgamma/dbeta contributions
+// to its accumulators and finally writes the block's row of partials.
 template <typename T, typename P, int N, typename S>
 __global__ void __launch_bounds__(S::kBlock)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
                     const A* __restrict__ mean, const A* __restrict__ rstd,
                     const P* __restrict__ gamma, const P* __restrict__ beta, T* __restrict__ dx,
-                    A* __restrict__ partial, int64_t rows, int cols, bool saved_is_output,
-                    bool subtract_mean) {
-  __shared__ A smem[32];
+                    A* __restrict__ partial, int64_t rows, int cols, A inv_cols,
+                    bool saved_is_output, bool subtract_mean) {
+  __shared__ A smem[S::kRowsPerBlock * S::kWarps * 3];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  using Acc = Partials<N, S>;
+  using Chunk = typename Acc::Chunk;
+  const Acc acc{reinterpret_cast<Chunk*>(dynamic_smem)};
   const int slot = threadIdx.x / S::kThreads, lane = threadIdx.x % S::kThreads;
-  A dg[S::kIters][N] = {}, db[S::kIters][N] = {};
+  if (partial)  // a thread only touches its own accumulators until the final sum
+#pragma unroll
+    for (int it = 0; it < S::kIters; ++it)
+#pragma unroll
+      for (int q = 0; q < Acc::kChunks; ++q)
+        acc.at(slot, 0, it, q, lane) = acc.at(slot, 1, it, q, lane) = Chunk{};
+
   for (int64_t r = int64_t(blockIdx.x) * S::kRowsPerBlock + slot; r < rows;
        r += int64_t(gridDim.x) * S::kRowsPerBlock) {
-    A xh[S::kIters][N], g[S::kIters][N];
-    load_row<T, N, S>(saved + r * cols, cols, lane, xh);
-    load_row<T, N, S>(dy + r * cols, cols, lane, g);
+    Vec<T, N> xs[S::kIters], dys[S::kIters];
+    load_raw<T, N, S>(saved + r * cols, cols, lane, xs);
+    load_raw<T, N, S>(dy + r * cols, cols, lane, dys);
     const A rs = rstd[r];
     const A mu = saved_is_output ? A(0) : mean[r];
+    // xhat of element k of vector `it` (gm, bt: its gamma/beta). The memory-efficient form
+    // divides by gamma with __fdividef (2 ulp): xhat from a rounded y is no closer than that, and
+    // an IEEE division's slow-path call would keep registers live across the whole row.
+    auto xhat = [&](int it, int k, const A(&gm)[N], const A(&bt)[N]) {
+      const A x_raw = to_acc(xs[it].v[k]);
+      return saved_is_output ? __fdividef(x_raw - bt[k], gm[k]) : (x_raw - mu) * rs;
+    };
     // Scale-only (subtract_mean = false): dx needs rstd * mean(g * x), summed on raw x, since
     // mean(g * xhat) + mean * rstd * mean(g) cancels for rows far from zero; and x - mean is
     // re-centred by its own residual (sum_c), so the rounding of the stored mean does not enter.
     A sum_g = 0, sum_gx = 0, sum_c = 0;
 #pragma unroll
     for (int it = 0; it < S::kIters; ++it) {
-      const int c = (it * S::kThreads + lane) * N;
+      const int c = column<N, S>(it, lane);
       if (c >= cols) continue;
+      A gm[N], bt[N];
+      load_param(gamma, c, A(1), gm);
+      load_param(saved_is_output ? beta : nullptr, c, A(0), bt);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const A d = g[it][k], x_raw = xh[it][k];
-        xh[it][k] = saved_is_output
-                        ? (x_raw - param(beta, c + k, A(0))) / param(gamma, c + k, A(1))
-                        : (x_raw - mu) * rs;
-        g[it][k] = d * param(gamma, c + k, A(1));
-        sum_g += g[it][k];
-        if (subtract_mean) {
-          dg[it][k] += d * xh[it][k];
-          db[it][k] += d;
-          sum_gx += g[it][k] * xh[it][k];
-        } else {
-          dg[it][k] += d * x_raw * rs;  // dgamma = sum dy x rstd
-          sum_gx += g[it][k] * x_raw;
-          sum_c += x_raw - mu;
+      for (int q = 0; q < Acc::kChunks; ++q) {  // a chunk of dgamma/dbeta accumulators at a time
+        Chunk ag{}, ab{};
+        if (partial) {
+          ag = acc.at(slot, 0, it, q, lane);
+          ab = acc.at(slot, 1, it, q, lane);
+        }
+#pragma unroll
+        for (int j = 0; j < Acc::kChunk; ++j) {
+          const int k = q * Acc::kChunk + j;
+          const A d = to_acc(dys[it].v[k]), x_raw = to_acc(xs[it].v[k]), g = d * gm[k];
+          sum_g += g;
+          if (subtract_mean) {
+            const A xh = xhat(it, k, gm, bt);
+            ag.v[j] += d * xh;
+            ab.v[j] += d;
+            sum_gx += g * xh;
+          } else {
+            ag.v[j] += d * x_raw * rs;  // dgamma = sum dy x rstd
+            sum_gx += g * x_raw;
+            sum_c += x_raw - mu;
+          }
+        }
+        if (partial) {
+          acc.at(slot, 0, it, q, lane) = ag;
+          acc.at(slot, 1, it, q, lane) = ab;
         }
       }
     }
-    const A mg = row_sum<S::kWarps>(sum_g, smem) / A(cols);
-    const A mgx = row_sum<S::kWarps>(sum_gx, smem) / A(cols);
-    const A shift = subtract_mean ? A(0) : row_sum<S::kWarps>(sum_c, smem) / A(cols) * rs;
+    A sums[3] = {sum_g, sum_gx, sum_c};
+    row_sums<S>(sums, smem, slot, lane);
+    const A mg = sums[0] * inv_cols, mgx = sums[1] * inv_cols;
+    const A shift = subtract_mean ? A(0) : sums[2] * inv_cols * rs;
     const A k_mean = subtract_mean ? mg : A(0);
     const A k_xhat = subtract_mean ? mgx : rs * mgx;
-    store_row<T, N, S>(dx + r * cols, cols, lane, [&](int it, int k, int) {
-      return rs * (g[it][k] - k_mean - (xh[it][k] - shift) * k_xhat);
+    store_row<T, N, S>(dx + r * cols, cols, lane, [&](int it, int c, A(&out)[N]) {
+      A gm[N], bt[N];
+      load_param(gamma, c, A(1), gm);
+      load_param(saved_is_output ? beta : nullptr, c, A(0), bt);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const A g = to_acc(dys[it].v[k]) * gm[k];
+        out[k] = rs * (g - k_mean - (xhat(it, k, gm, bt) - shift) * k_xhat);
+      }
     });
   }
   if (!partial) return;
-  if constexpr (S::kRowsPerBlock > 1) {  // sum the block's row slots, in slot order
-    constexpr int kCols = S::kThreads * S::kIters * N;
-    __shared__ A red[S::kRowsPerBlock][2][kCols];
+  __syncthreads();  // every slot's accumulators are final
+  if (slot != 0) return;
+  A* pg = partial + int64_t(blockIdx.x) * 2 * cols;  // one group per block: dgamma, dbeta
 #pragma unroll
-    for (int it = 0; it < S::kIters; ++it)
+  for (int which = 0; which < 2; ++which)
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        red[slot][0][(it * S::kThreads + lane) * N + k] = dg[it][k];
-        red[slot][1][(it * S::kThreads + lane) * N + k] = db[it][k];
+    for (int it = 0; it < S::kIters; ++it) {
+      const int c = column<N, S>(it, lane);
+      if (c >= cols) continue;
+#pragma unroll
+      for (int q = 0; q < Acc::kChunks; ++q) {
+        Chunk s = acc.at(0, which, it, q, lane);
+        for (int j = 1; j < S::kRowsPerBlock; ++j)  // slot order
+#pragma unroll
+          for (int e = 0; e < Acc::kChunk; ++e) s.v[e] += acc.at(j, which, it, q, lane).v[e];
+        *reinterpret_cast<Chunk*>(pg + which * cols + c + q * Acc::kChunk) = s;
       }
-    __syncthreads();
-    if (slot != 0) return;
-#pragma unroll
-    for (int it = 0; it < S::kIters; ++it)
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const int c = (it * S::kThreads + lane) * N + k;
-        for (int j = 1; j < S::kRowsPerBlock; ++j) {
-          dg[it][k] += red[j][0][c];
-          db[it][k] += red[j][1][c];
-        }
-      }
-  }
-  A* pg = partial + int64_t(blockIdx.x) * 2 * cols;  // one group per block
-#pragma unroll
-  for (int it = 0; it < S::kIters; ++it) {
-    const int c = (it * S::kThreads + lane) * N;
-    if (c >= cols) continue;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      pg[c + k] = dg[it][k];
-      pg[cols + c + k] = db[it][k];
     }
-  }
 }
 
 // Rows too wide for registers: a block per row, three passes over the row in memory.
@@ -232,20 +357,20 @@ template <typename T, typename P>
 __global__ void __launch_bounds__(kStreamThreads)
     forward_stream_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
                           const P* __restrict__ beta, T* __restrict__ y, A* __restrict__ mean,
-                          A* __restrict__ rstd, int64_t rows, int64_t cols, A eps,
+                          A* __restrict__ rstd, int64_t rows, int64_t cols, A inv_cols, A eps,
                           bool subtract_mean) {
   __shared__ A smem[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
     A sum = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sum += to_acc(xr[c]);
-    const A mu = cuda::block_sum(sum, smem) / A(cols);
+    const A mu = cuda::block_sum(sum, smem) * inv_cols;
     A sq = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
       const A d = to_acc(xr[c]) - mu;
       sq += d * d;
     }
-    const A rs = A(1) / sqrtf(cuda::block_sum(sq, smem) / A(cols) + eps);
+    const A rs = rsqrtf(cuda::block_sum(sq, smem) * inv_cols + eps);
     const A shift = subtract_mean ? mu : A(0);
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
       y[r * cols + c] = from_acc<T>((to_acc(xr[c]) - shift) * rs * param(gamma, c, A(1)) +
@@ -264,7 +389,7 @@ __global__ void __launch_bounds__(kStreamThreads)
                            const A* __restrict__ mean, const A* __restrict__ rstd,
                            const P* __restrict__ gamma, const P* __restrict__ beta,
                            T* __restrict__ dx, A* __restrict__ partial, int64_t rows,
-                           int64_t cols, bool saved_is_output, bool subtract_mean) {
+                           int64_t cols, A inv_cols, bool saved_is_output, bool subtract_mean) {
   __shared__ A smem[32];
   A* pg = partial ? partial + int64_t(blockIdx.x) * 2 * cols : nullptr;
   if (pg)
@@ -293,9 +418,9 @@ __global__ void __launch_bounds__(kStreamThreads)
         pg[cols + c] += d;
       }
     }
-    const A mg = cuda::block_sum(sum_g, smem) / A(cols);
-    const A mgx = cuda::block_sum(sum_gx, smem) / A(cols);
-    const A shift = subtract_mean ? A(0) : cuda::block_sum(sum_c, smem) / A(cols) * rs;
+    const A mg = cuda::block_sum(sum_g, smem) * inv_cols;
+    const A mgx = cuda::block_sum(sum_gx, smem) * inv_cols;
+    const A shift = subtract_mean ? A(0) : cuda::block_sum(sum_c, smem) * inv_cols * rs;
     const A k_mean = subtract_mean ? mg : A(0);
     const A k_xhat = subtract_mean ? mgx : rs * mgx;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -332,27 +457,24 @@ __global__ void reduce_partials_kernel(const A* __restrict__ partial, int64_t gr
   if (dbeta) dbeta[c] = from_acc<P>(tb);
 }
 
-// Calls fn(S{}) for the first shape of `Shapes` within the register budget that holds a row of
-// `cols` elements as vectors of N; returns false when none does (too wide for registers).
-// Shapes over budget are never instantiated.
-template <typename Shapes, int MaxPerThread, int N, typename Fn>
+// For the first shape of `Shapes` that holds a row of `cols` elements as vectors of N, returns
+// fn(S{}) (whether it launched); false when there is none (too wide for registers).
+template <typename Shapes, int N, typename Fn>
 bool with_shape(int64_t cols, Fn&& fn) {
-  bool found = false;
+  bool found = false, launched = false;
   std::apply(
       [&](auto... shapes) {
         auto try_one = [&](auto s) {
           using S = decltype(s);
-          if constexpr (S::kIters * N <= MaxPerThread) {
-            if (!found && int64_t(S::kThreads) * S::kIters * N >= cols) {
-              found = true;
-              fn(s);
-            }
+          if (!found && int64_t(S::kThreads) * S::kIters * N >= cols) {
+            found = true;
+            launched = fn(s);
           }
         };
         (try_one(shapes), ...);
       },
       Shapes{});
-  return found;
+  return launched;
 }
 
 void check_args(const char* op, int64_t rows, int64_t cols, DType dtype, DType param_dtype) {
@@ -380,18 +502,39 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
   });
 }
 
-// Blocks of `kernel` one SM holds at once (registers, shared memory, threads), at most
-// kBackwardMaxBlocksPerSm. Computed once per kernel: it depends on the kernel and the
-// architecture only.
+// Blocks of `Kernel` (`threads` threads, `smem` bytes of dynamic shared memory, fixed per
+// kernel when nonzero) one SM holds at once, at most kBackwardMaxBlocksPerSm; 0 when the device
+// cannot give a block that much shared memory. Worked out once per device and kernel (the
+// shared memory opt-in is a per-device function attribute); racing first calls agree.
 template <auto Kernel>
-int64_t resident_blocks(int threads) {
-  static const int64_t blocks = [&] {
-    int n = 0;
-    cuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, 0),
+int64_t resident_blocks(int threads, size_t smem) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[2][kMaxDevices];  // [smem > 0][device]: blocks + 1, 0 = unknown
+  int device;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  std::atomic<int>* slot = device < kMaxDevices ? &known[smem > 0][device] : nullptr;
+  if (slot && slot->load() > 0) return slot->load() - 1;
+  int optin = 0, n = 0;
+  cuda::check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+              "cudaDeviceGetAttribute");
+  cudaFuncAttributes attr;
+  cuda::check(cudaFuncGetAttributes(&attr, Kernel), "cudaFuncGetAttributes");
+  if (smem + attr.sharedSizeBytes <= size_t(optin)) {
+    if (smem > 48 * 1024)
+      cuda::check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(smem)),
+                  "cudaFuncSetAttribute");
+    cuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem),
                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return std::clamp<int64_t>(n, 1, kBackwardMaxBlocksPerSm);
-  }();
+  }
+  const int blocks = std::min(n, kBackwardMaxBlocksPerSm);
+  if (slot) slot->store(blocks + 1);
   return blocks;
+}
+
+// gamma and beta (where present) allow loads of `bytes`-byte vectors.
+bool params_aligned(const void* gamma, const void* beta, size_t bytes) {
+  return (!gamma || cuda::aligned(gamma, bytes)) && (!beta || cuda::aligned(beta, bytes));
 }
 
 int64_t backward_groups_max() { return int64_t(cuda::sm_count()) * kBackwardMaxBlocksPerSm; }
@@ -413,26 +556,30 @@ void layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta,
     const P* bp = static_cast<const P*>(beta);
     A* mp = static_cast<A*>(mean);
     A* rp = static_cast<A*>(rstd);
+    const A inv_cols = A(1.0 / double(cols));  // means as products: no division in the kernels
     const int64_t max_blocks = int64_t(cuda::sm_count()) * 32;  // streaming kernel
     auto launch = [&](auto n_tag) {
       constexpr int N = decltype(n_tag)::value;
-      return with_shape<ForwardShapes, kForwardMaxPerThread, N>(cols, [&](auto s) {
+      using Shapes = ShapesFor<T, ForwardShapes16, ForwardShapes32>;
+      return with_shape<Shapes, N>(cols, [&](auto s) {
         using S = decltype(s);
         // A block per row group, no persistent loop: blocks start as SMs free up, so the
         // loads of the next rows overlap the reductions and stores of the current ones.
         const int64_t blocks = std::min<int64_t>((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
                                                  INT32_MAX);
         forward_kernel<T, P, N, S><<<blocks, S::kBlock, 0, stream>>>(
-            xp, gp, bp, yp, mp, rp, rows, int(cols), A(eps), subtract_mean);
+            xp, gp, bp, yp, mp, rp, rows, int(cols), inv_cols, A(eps), subtract_mean);
+        return true;
       });
     };
     constexpr int kVec = 16 / sizeof(T);
-    const bool vec = cols % kVec == 0 && cuda::aligned(x, 16) && cuda::aligned(y, 16);
+    const bool vec = cols % kVec == 0 && cuda::aligned(x, 16) && cuda::aligned(y, 16) &&
+                     params_aligned(gamma, beta, kVec * sizeof(P));
     const bool done = vec ? launch(std::integral_constant<int, kVec>{})
                           : launch(std::integral_constant<int, 1>{});
     if (!done)
       forward_stream_kernel<T, P><<<std::min(rows, max_blocks), kStreamThreads, 0, stream>>>(
-          xp, gp, bp, yp, mp, rp, rows, cols, A(eps), subtract_mean);
+          xp, gp, bp, yp, mp, rp, rows, cols, inv_cols, A(eps), subtract_mean);
     cuda::check_launch("layer_norm forward");
   });
 }
@@ -463,31 +610,37 @@ void layer_norm_backward_cuda(const void* dy, const void* saved, const void* mea
     const P* bp = static_cast<const P*>(beta);
     T* dxp = static_cast<T*>(dx);
     A* partial = want_params ? static_cast<A*>(workspace) : nullptr;
+    const A inv_cols = A(1.0 / double(cols));
     int64_t groups = 0;  // rows of partials: one per block
     auto launch = [&](auto n_tag) {
       constexpr int N = decltype(n_tag)::value;
-      return with_shape<BackwardShapes, kBackwardMaxPerThread, N>(cols, [&](auto s) {
+      using Shapes = ShapesFor<T, BackwardShapes16, BackwardShapes32>;
+      return with_shape<Shapes, N>(cols, [&](auto s) {
         using S = decltype(s);
+        const size_t smem = partial ? Partials<N, S>::kBytes : 0;
         // Resident blocks only, so every block gets rows and none waits for a second wave.
-        const int64_t per_sm = resident_blocks<backward_kernel<T, P, N, S>>(S::kBlock);
+        const int64_t per_sm = resident_blocks<backward_kernel<T, P, N, S>>(S::kBlock, smem);
+        if (per_sm == 0) return false;  // accumulators too large for this device
         const int64_t blocks = std::max<int64_t>(
             1, std::min((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
                         int64_t(cuda::sm_count()) * per_sm));
         groups = blocks;
-        backward_kernel<T, P, N, S><<<blocks, S::kBlock, 0, stream>>>(
-            dyp, sp, mp, rp, gp, bp, dxp, partial, rows, int(cols), saved_is_output,
+        backward_kernel<T, P, N, S><<<blocks, S::kBlock, smem, stream>>>(
+            dyp, sp, mp, rp, gp, bp, dxp, partial, rows, int(cols), inv_cols, saved_is_output,
             subtract_mean);
+        return true;
       });
     };
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = cols % kVec == 0 && cuda::aligned(dy, 16) && cuda::aligned(saved, 16) &&
-                     cuda::aligned(dx, 16);
+                     cuda::aligned(dx, 16) && params_aligned(gamma, beta, kVec * sizeof(P));
     const bool done = vec ? launch(std::integral_constant<int, kVec>{})
                           : launch(std::integral_constant<int, 1>{});
     if (!done) {
       groups = std::max<int64_t>(1, std::min(rows, int64_t(cuda::sm_count()) * 2));
       backward_stream_kernel<T, P><<<groups, kStreamThreads, 0, stream>>>(
-          dyp, sp, mp, rp, gp, bp, dxp, partial, rows, cols, saved_is_output, subtract_mean);
+          dyp, sp, mp, rp, gp, bp, dxp, partial, rows, cols, inv_cols, saved_is_output,
+          subtract_mean);
     }
     cuda::check_launch("layer_norm backward");
     if (!want_params) return;

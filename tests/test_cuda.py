@@ -83,6 +83,26 @@ def test_layer_norm_half_input_float32_params(dtype):
     assert y.dtype == dtype and rel_err(y, ref) < (1e-6 if dtype == torch.float32 else 5e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_misaligned_params(dtype):
+    """gamma/beta at an odd element offset cannot be read as vectors: still right."""
+    cols = 1024
+    x = torch.randn(300, cols, device="cuda", dtype=dtype, requires_grad=True)
+    params = torch.randn(2 * cols + 1, device="cuda", dtype=dtype, requires_grad=True)
+    w, b = params[1:cols + 1], params[cols + 1:]
+    y = fl.layer_norm(x, cols, w, b)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, params), dy)
+    xr, pr = (t.detach().float().requires_grad_() for t in (x, params))
+    yr = F.layer_norm(xr, (cols,), pr[1:cols + 1], pr[cols + 1:])
+    refs = torch.autograd.grad(yr, (xr, pr), dy.float())
+    yh = F.layer_norm(x, (cols,), w, b)
+    halves = torch.autograd.grad(yh, (x, params), dy)
+    assert_close(y, yh, yr, dtype, "y")
+    for name, g, h, r in zip(("dx", "dparams"), grads, halves, refs):
+        assert_close(g, h, r, dtype, name)
+
+
 @pytest.mark.parametrize("memory_efficient", [False, True])
 def test_layer_norm_backward_is_deterministic(memory_efficient):
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
