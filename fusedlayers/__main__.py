@@ -54,6 +54,8 @@ def bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedlayers bench")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--ops", default="relu_scale,layer_norm,linear_gelu",
+                        help="comma-separated ops to bench")
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--reps", type=int, default=20)
@@ -68,7 +70,7 @@ def bench(argv: list[str]) -> int:
     if device == "cpu":
         name += f" ({torch.get_num_threads()} threads)"
     rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
-                           not args.no_compile, args.reps)
+                           not args.no_compile, args.reps, tuple(args.ops.split(",")))
     print(b.format_table(rows, ceilings, name))
     if args.json:
         b.write_json(args.json, rows, ceilings, name)

@@ -3,7 +3,9 @@ dtype and pass, with the device's own ceilings measured in the same run.
 
 Memory-bound ops (relu_scale, layer_norm) report GB/s over the fewest bytes the op must move
 (each input read once, each output written once) and the percentage of the measured copy
-bandwidth (bytes read + written by a large tensor copy). linear_gelu reports TFLOP/s over
+bandwidth (bytes read + written by a large tensor copy); their forward also gets a "copy" row, a
+copy of the input moving the same bytes, which is the floor at that size (a small op pays launch
+and tail costs that the large copy amortizes). linear_gelu reports TFLOP/s over
 2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of the measured
 GEMM rate of the same dtype. Times are medians. On CUDA each variant is captured once in a CUDA
 graph and its replays are timed with CUDA events (triton.testing.do_bench when present), so the
@@ -105,6 +107,9 @@ def _fwd_bwd(fn, inputs):
     return run
 
 
+OPS = ("relu_scale", "layer_norm", "linear_gelu")
+
+
 def _cases(device: torch.device, quick: bool):
     """(op, shape, builder) where builder(dtype) -> (fused_fn, unfused_fn, inputs, work)."""
     cuda = device.type == "cuda"
@@ -139,7 +144,10 @@ def _cases(device: torch.device, quick: bool):
 
 
 def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
-        compile: bool = True, reps: int = 20) -> tuple[list[Row], dict]:
+        compile: bool = True, reps: int = 20, op_names=OPS) -> tuple[list[Row], dict]:
+    unknown = set(op_names) - set(OPS)
+    if unknown:
+        raise ValueError(f"bench: ops must be among {OPS}, got {sorted(unknown)}")
     dev = torch.device(device)
     ceilings = {"copy_gbs": copy_bandwidth_gbs(dev, reps)}
     rows = []
@@ -147,12 +155,16 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
         dtype = getattr(torch, dtype_name)
         ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dev, dtype, reps)
         for op, shape, build in _cases(dev, quick):
+            if op not in op_names:
+                continue
             fused, unfused, inputs, work = build(dtype)
             for pass_ in ("fwd", "fwd+bwd"):
                 impls = {"fused": fused, "eager": unfused}
                 if compile:  # a fresh compile per case and pass: no recompile-limit fallbacks
                     torch._dynamo.reset()
                     impls["compile"] = torch.compile(unfused)
+                if op != "linear_gelu" and pass_ == "fwd":
+                    impls["copy"] = inputs[0].clone  # same bytes as the forward: the floor
                 for impl, fn in impls.items():
                     timed = fn if pass_ == "fwd" else _fwd_bwd(fn, inputs)
                     if pass_ == "fwd":
