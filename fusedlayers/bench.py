@@ -169,7 +169,8 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
                     timed = fn if pass_ == "fwd" else _fwd_bwd(fn, inputs)
                     if pass_ == "fwd":
                         timed = torch.no_grad()(timed)
-                    ms = _median_ms(timed, dev, reps)
+                    # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
+                    ms = _median_ms(timed, dev, reps, graph=impl != "copy")
                     if op == "linear_gelu":
                         flops = work * (1 if pass_ == "fwd" else 3)
                         rate, unit = flops / ms / 1e9, "TFLOP/s"
