@@ -95,6 +95,19 @@ def assert_calibrated(ours: float, baseline: float, what: str, *, dtype: str, nu
         f"{allowed:.3e}) ({rng})")
 
 
+def tf_grads(fn, inputs, dy):
+    """y = fn(*inputs) and the gradients of sum(y * dy), summed in float64, wrt the non-None
+    inputs (None stays None)."""
+    import tensorflow as tf
+    live = [t for t in inputs if t is not None]
+    with tf.GradientTape() as tape:
+        tape.watch(live)
+        y = fn(*inputs)
+        loss = tf.reduce_sum(tf.cast(y, tf.float64) * tf.cast(dy, tf.float64))
+    gs = iter(tape.gradient(loss, live))
+    return y, [None if t is None else next(gs) for t in inputs]
+
+
 def gelu64(u, approximate):
     """GELU of a float64 tf tensor through erfc (approximate 'none') or a logistic ('tanh'),
     without the cancellation of 1 + erf(u) / 1 + tanh(z) that costs tf.nn.gelu ~1e-6 relative

@@ -16,7 +16,7 @@ import fusedlayers as fl  # noqa: E402
 from fusedlayers.tensorflow import layer_norm_trailing  # noqa: E402
 
 from _tf_utils import (DTYPES, EPS, HALF, assert_calibrated, bits_equal, f64,  # noqa: E402,F401
-                       gelu64, ln_grad_scales, rel_err, rng)
+                       gelu64, ln_grad_scales, rel_err, rng, tf_grads)
 
 
 def tdt(name):
@@ -83,17 +83,6 @@ def tf_relu_scale(x, alpha):
     return tf.nn.relu(x) * tf.constant(alpha, x.dtype)
 
 
-def grads(fn, inputs, dy):
-    """Gradients of sum(fn(*inputs) * dy) wrt the non-None inputs (None stays None)."""
-    live = [t for t in inputs if t is not None]
-    with tf.GradientTape() as tape:
-        tape.watch(live)
-        y = fn(*inputs)
-        loss = tf.reduce_sum(tf.cast(y, tf.float64) * tf.cast(dy, tf.float64))
-    gs = iter(tape.gradient(loss, live))
-    return [None if t is None else next(gs) for t in inputs]
-
-
 # --------------------------------------------------------------------------------------------
 # relu_scale
 
@@ -117,8 +106,8 @@ def test_relu_scale_forward_backward(rng, dtype, shape):
     assert_calibrated(rel_err(y, ref), rel_err(base, ref), "relu_scale", dtype=dtype, numel=n,
                       rng=rng, floor=floor(dtype))
 
-    (dx,) = grads(lambda t: fl.relu_scale(t, alpha), [x], dy)
-    (dx_base,) = grads(lambda t: tf_relu_scale(t, alpha), [x], dy)
+    (dx,) = tf_grads(lambda t: fl.relu_scale(t, alpha), [x], dy)[1]
+    (dx_base,) = tf_grads(lambda t: tf_relu_scale(t, alpha), [x], dy)[1]
     assert dx.dtype == x.dtype and dx.shape == x.shape
     dx_ref = np.where(x64 > 0, dy64 * alpha, 0.0)
     assert_calibrated(rel_err(dx, dx_ref), rel_err(dx_base, dx_ref), "relu_scale dx",
@@ -161,8 +150,8 @@ def test_relu_scale_nonfinite_gradient(rng):
     x = tf.constant(vals, tf.float32)
     dy = tf.constant(rng.normal(16), tf.float32)
     alpha = f32_exact(rng.uniform(0.5, 2))
-    (dx,) = grads(lambda t: fl.relu_scale(t, alpha), [x], dy)
-    (want,) = grads(lambda t: tf.nn.relu(t) * alpha, [x], dy)
+    (dx,) = tf_grads(lambda t: fl.relu_scale(t, alpha), [x], dy)[1]
+    (want,) = tf_grads(lambda t: tf.nn.relu(t) * alpha, [x], dy)[1]
     want = np.where(np.isnan(vals), (dy * alpha).numpy(), want.numpy()).astype(np.float32)
     # Values, not bits: where x <= 0 TF's ReluGrad gives -0 for a negative dy, ours +0.
     assert np.array_equal(dx.numpy(), want, equal_nan=True), (
@@ -244,9 +233,9 @@ def test_layer_norm_forward_backward(rng, dtype, shape, nshape):
             def unfused(xx, gam, bet):
                 return tf_layer_norm(xx, k, gam, bet, eps)
 
-            ours = grads(fused, [x, gg, bb], dy)
-            basel = grads(unfused, [x, gg, bb], dy)
-            refg = grads(unfused, [tf.constant(x64), g64_, b64_], tf.constant(dy64))
+            ours = tf_grads(fused, [x, gg, bb], dy)[1]
+            basel = tf_grads(unfused, [x, gg, bb], dy)[1]
+            refg = tf_grads(unfused, [tf.constant(x64), g64_, b64_], tf.constant(dy64))[1]
             scales = ln_grad_scales(x64, g64 if has_g else None, dy64, k, eps)
             for name, o, bl, r, sc, odt in zip(("dx", "dgamma", "dbeta"), ours, basel, refg,
                                                scales, (dtype, param_dtype, param_dtype)):
@@ -272,12 +261,12 @@ def test_layer_norm_rms_scaling_trailing(rng, dtype):
         base = tf_layer_norm(x, 2, gg, None, eps, subtract_mean=False)
         assert_calibrated(rel_err(y, ref), rel_err(base, ref), "rms layer_norm", dtype=dtype,
                           numel=x64.size, rng=rng, floor=floor(dtype))
-        ours = grads(lambda a, c: layer_norm_trailing(a, 2, c, None, eps, subtract_mean=False),
-                     [x, gg], dy)
-        basel = grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, subtract_mean=False),
-                      [x, gg], dy)
-        refg = grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, subtract_mean=False),
-                     [tf.constant(x64), g64_], tf.constant(dy64))
+        ours = tf_grads(lambda a, c: layer_norm_trailing(a, 2, c, None, eps, subtract_mean=False),
+                        [x, gg], dy)[1]
+        basel = tf_grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, subtract_mean=False),
+                         [x, gg], dy)[1]
+        refg = tf_grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, subtract_mean=False),
+                        [tf.constant(x64), g64_], tf.constant(dy64))[1]
         scales = ln_grad_scales(x64, g64 if gg is not None else None, dy64, 2, eps,
                                 subtract_mean=False)
         for name, o, bl, r, sc in zip(("dx", "dgamma"), ours, basel, refg, scales):
@@ -314,8 +303,8 @@ def test_layer_norm_dx_offset_rows(rng, subtract_mean):
     def unfused(a, c):
         return tf_layer_norm(a, 1, c, None, eps, subtract_mean=subtract_mean)
 
-    (dx, _), (dx_base, _) = grads(fused, [x, g], dy), grads(unfused, [x, g], dy)
-    dx_ref, _ = grads(unfused, [tf.constant(x64), tf.constant(g64)], tf.constant(dy64))
+    (dx, _), (dx_base, _) = tf_grads(fused, [x, g], dy)[1], tf_grads(unfused, [x, g], dy)[1]
+    dx_ref, _ = tf_grads(unfused, [tf.constant(x64), tf.constant(g64)], tf.constant(dy64))[1]
     sc = ln_grad_scales(x64, g64, dy64, 1, eps, subtract_mean=subtract_mean)[0]
     assert_calibrated(rel_err(dx, dx_ref, sc), rel_err(dx_base, dx_ref, sc),
                       f"layer_norm dx (subtract_mean={subtract_mean}), rows at 10 std",
@@ -330,7 +319,7 @@ def test_layer_norm_constant_rows(rng):
     g = tf.constant(rng.normal(1000), tf.float32)
     xt = tf.constant(x, tf.float32)
     dy = tf.constant(rng.normal((6, 1000)), tf.float32)
-    dx, dg, db = grads(lambda a, c, d: fl.layer_norm(a, 1000, c, d), [xt, g, b], dy)
+    dx, dg, db = tf_grads(lambda a, c, d: fl.layer_norm(a, 1000, c, d), [xt, g, b], dy)[1]
     y = fl.layer_norm(xt, 1000, g, b).numpy()
     np.testing.assert_array_equal(y, np.broadcast_to(b.numpy(), y.shape), err_msg=str(rng))
     gy = f64(dy) * f64(g)
@@ -422,11 +411,11 @@ def test_linear_gelu_forward_backward(rng, dtype, shape, out):
             def fused(xx, ww, bi):
                 return fl.linear_gelu(xx, ww, bi, approximate)
 
-            ours = grads(fused, [x, w, bb], dy)
-            basel = grads(lambda xx, ww, bi: tf_linear_gelu(xx, ww, bi, approximate),
-                          [x, w, bb], dy)
-            refg = grads(lambda xx, ww, bi: tf_linear_gelu(xx, ww, bi, approximate, True),
-                         [tf.constant(x64), tf.constant(w64), b64_], tf.constant(dy64))
+            ours = tf_grads(fused, [x, w, bb], dy)[1]
+            basel = tf_grads(lambda xx, ww, bi: tf_linear_gelu(xx, ww, bi, approximate),
+                             [x, w, bb], dy)[1]
+            refg = tf_grads(lambda xx, ww, bi: tf_linear_gelu(xx, ww, bi, approximate, True),
+                            [tf.constant(x64), tf.constant(w64), b64_], tf.constant(dy64))[1]
             scales = lg_grad_scales(x64, w64, b64 if has_b else None, dy64, approximate)
             for name, o, bl, r, sc in zip(("dx", "dweight", "dbias"), ours, basel, refg, scales):
                 if r is None:
