@@ -514,8 +514,8 @@ int64_t resident_blocks(int threads, size_t smem) {
   static std::atomic<int> known[2][kMaxDevices];  // [smem > 0][device]: blocks + 1, 0 = unknown
   int device;
   cuda::check(cudaGetDevice(&device), "cudaGetDevice");
-  std::atomic<int>* slot = device < kMaxDevices ? &known[smem > 0][device] : nullptr;
-  if (slot && slot->load() > 0) return slot->load() - 1;
+  std::atomic<int>* entry = device < kMaxDevices ? &known[smem > 0][device] : nullptr;
+  if (entry && entry->load() > 0) return entry->load() - 1;
   int optin = 0, n = 0;
   cuda::check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
               "cudaDeviceGetAttribute");
@@ -530,7 +530,7 @@ int64_t resident_blocks(int threads, size_t smem) {
                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   }
   const int blocks = std::min(n, kBackwardMaxBlocksPerSm);
-  if (slot) slot->store(blocks + 1);
+  if (entry) entry->store(blocks + 1);
   return blocks;
 }
 
