@@ -44,16 +44,18 @@ class BuildWithTensorFlow(BuildExtension):
 cuda, why = _sources.use_cuda("torch", torch.version.cuda, CUDA_HOME, os.environ)
 print(f"fusedlayers: {'building' if cuda else 'not building'} the CUDA kernels ({why})")
 sources = [str(p.relative_to(ROOT)) for p in _sources.torch_sources(ROOT, cuda)]
+openmp = _sources.torch_openmp_flags(torch.backends.openmp.is_available())
 if cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
     extension = CUDAExtension(
         "fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
-        libraries=_sources.CUDA_LIBRARIES,
-        extra_compile_args={"cxx": [*_sources.CXX_FLAGS, _sources.CUDA_DEFINE],
+        libraries=_sources.CUDA_LIBRARIES, extra_link_args=openmp,
+        extra_compile_args={"cxx": [*_sources.CXX_FLAGS, *openmp, _sources.CUDA_DEFINE],
                             "nvcc": [*_sources.NVCC_FLAGS, _sources.CUDA_DEFINE]})
 else:
     extension = CppExtension("fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
-                             extra_compile_args=_sources.CXX_FLAGS)
+                             extra_compile_args=[*_sources.CXX_FLAGS, *openmp],
+                             extra_link_args=openmp)
 
 setup(
     name="fusedlayers",

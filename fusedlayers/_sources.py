@@ -13,6 +13,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # never read); without them GCC will not turn the kernels' float selects into vector blends.
 CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errno"]
 NVCC_FLAGS = ["-O3", "-std=c++17"]
+
+
+def torch_openmp_flags(openmp: bool) -> list[str]:
+    """Compile and link flags for the torch extension's host code. at::parallel_for is an inline
+    template that only parallelizes where _OPENMP is defined (ATen/ParallelOpenMP.h), so with an
+    OpenMP torch the csrc CPU kernels would run on one thread without -fopenmp. Linking libgomp
+    by soname binds to the copy torch has already loaded: one thread pool, torch.set_num_threads
+    applies."""
+    return ["-fopenmp"] if openmp else []
 CUDA_DEFINE = "-DFUSEDLAYERS_WITH_CUDA"
 CUDA_LIBRARIES = ["cublasLt"]
 # Ampere and Hopper, when TORCH_CUDA_ARCH_LIST is unset (a GPU-less host cannot detect one).

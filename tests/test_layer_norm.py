@@ -250,7 +250,7 @@ def test_deterministic_across_thread_counts(dtype, memory_efficient, restore_thr
     w, b = make_params((cols,), dtype, True, True, True)
     g = torch.randn(rows, cols).to(dtype)
     results = []
-    for threads in (1, 2, 1):
+    for threads in (1, 2, 3, 1):
         torch.set_num_threads(threads)
         y = ops.layer_norm(x, (cols,), w, b, 1e-5, memory_efficient)
         results.append([y, *grads(y, [x, w, b], g)])

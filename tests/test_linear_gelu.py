@@ -281,7 +281,7 @@ def test_dbias_deterministic_across_thread_counts(dtype, approximate, restore_th
     b = torch.randn(300).to(dtype).requires_grad_()
     g = torch.randn(4099, 300).to(dtype)
     dbs = []
-    for threads in (1, 2, 1):
+    for threads in (1, 2, 3, 1):
         torch.set_num_threads(threads)
         y = fusedlayers.linear_gelu(x, w, b, approximate)
         (db,) = torch.autograd.grad(y, b, g)

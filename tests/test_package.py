@@ -136,6 +136,26 @@ def test_jit_sources_have_distinct_object_names():
                          f"({[str(p) for p in _sources.torch_sources() if p.stem in clashes]})")
 
 
+def test_cpu_kernels_use_torchs_openmp_pool():
+    # at::parallel_for spreads work over threads only where _OPENMP is defined when the extension
+    # compiles (ATen/ParallelOpenMP.h): built without -fopenmp, every csrc CPU kernel silently
+    # runs on one thread. And the OpenMP runtime must be torch's own, one pool for both.
+    import torch
+    if not torch.backends.openmp.is_available():
+        pytest.skip("this torch does not parallelize with OpenMP")
+    import importlib.util
+    library = importlib.util.find_spec("fusedlayers._C").origin
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True,
+                               text=True, check=True).stdout.split()
+    assert any(s.split("@")[0] == "GOMP_parallel" for s in undefined), \
+        f"{library} has no OpenMP parallel region"
+    out = run_python("""
+        import torch, fusedlayers.torch.ops
+        print(sorted({line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line}))
+    """)
+    assert len(eval(out)) == 1, f"more than one OpenMP runtime loaded: {out}"
+
+
 @pytest.mark.skipif(os.environ.get("FUSEDLAYERS_TEST_JIT") != "1",
                     reason="compiles the extension (~80 s on 2 cores): set FUSEDLAYERS_TEST_JIT=1")
 def test_jit_build_matches_reference(tmp_path):

@@ -25,13 +25,14 @@ def _jit_build() -> None:
         raise ExtensionNotBuiltError(
             f"fusedlayers: FUSEDLAYERS_JIT=1 needs the source checkout, but no sources were found "
             f"under {_sources.ROOT}")
+    openmp = _sources.torch_openmp_flags(torch.backends.openmp.is_available())
     cpp_extension.load(
         name="fusedlayers_torch",
         sources=[str(p) for p in sources],
         extra_include_paths=[str(_sources.ROOT)],
-        extra_cflags=[*_sources.CXX_FLAGS, *([_sources.CUDA_DEFINE] if cuda else [])],
+        extra_cflags=[*_sources.CXX_FLAGS, *openmp, *([_sources.CUDA_DEFINE] if cuda else [])],
         extra_cuda_cflags=[*_sources.NVCC_FLAGS, _sources.CUDA_DEFINE],
-        extra_ldflags=[f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else [],
+        extra_ldflags=[*openmp, *([f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else [])],
         with_cuda=cuda,
         is_python_module=False,
         verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1",
