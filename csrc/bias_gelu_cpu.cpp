@@ -1,16 +1,17 @@
-// CPU bias + GELU epilogue: rows staged in the accumulation type; dbias summed per fixed chunk of
-// rows into the workspace, then over chunks in chunk order (thread-count invariant).
+// CPU bias + GELU epilogue: float and double rows in one pass, 16-bit rows staged in float;
+// dbias summed per fixed chunk of rows into the workspace, then over chunks in chunk order
+// (thread-count invariant).
 //
 // float rows use exp/erfc written here so that the loops vectorize (libm's are scalar calls):
-// exp by Cody-Waite reduction and a degree-7 polynomial (relative error ~1e-7), erfc by the
-// Chebyshev fit of Press et al., Numerical Recipes 2nd ed. §6.2 (relative error < 1.2e-7 for
-// all z >= 0), so GELU keeps fp32 relative accuracy also deep in its negative tail.
-// double rows use libm.
+// exp by Cody-Waite reduction and Cephes' polynomial (relative error ~1e-7), erfc as
+// e^{-z^2} times a rational fit (relative error ~2e-7 for all z >= 0), so GELU keeps fp32
+// relative accuracy also deep in its negative tail. double rows use libm.
 #include "bias_gelu.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_types.h"
@@ -26,55 +27,65 @@ void check_sizes(const char* op, int64_t rows, int64_t cols) {
   if (cols < 0) fail(std::string(op) + ": cols must be >= 0, got " + std::to_string(cols));
 }
 
-// e^x for x <= 88 (0 below -87, where the result leaves the normal range; +inf above 88).
+// e^x for x <= 88 (0 below -87, where the result leaves the normal range; +inf above 88):
+// Cody-Waite reduction to |r| <= ln2/2, then e^r = 1 + r + r^2 P(r) with Cephes' degree-5
+// minimax P (S. Moshier, Cephes Math Library, expf.c).
 FUSEDLAYERS_INLINE float exp_approx(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);  // NaN passes through
+  // One compare per bound, reused for the clamp and the result: GCC turns each select into a
+  // blend (it may not use vmaxps, which would drop NaN), so fewer selects is a shorter loop.
+  const bool lo = x < -87.0f, hi = x > 88.0f;  // both false for NaN, which passes through
+  const float xc = lo ? -87.0f : (hi ? 88.0f : x);
   const float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;    // x - n ln 2, |r| <= ln2 / 2
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;    // x - n ln 2
+  // Estrin's scheme: independent pairs, then r^2 powers, for a short dependency chain (the
+  // loop is latency-bound, not throughput-bound).
+  const float r2 = r * r;
+  const float p = ((1.9875691500e-4f * r + 1.3981999507e-3f) * r2 +
+                   (8.3334519073e-3f * r + 4.1665795894e-2f)) * r2 +
+                  (1.6666665459e-1f * r + 5.0000001201e-1f);
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &e, 4);
-  const float res = p * scale;
-  return x < -87.0f ? 0.0f : (x > 88.0f ? std::numeric_limits<float>::infinity() : res);
+  const float res = ((r2 * p + r) + 1.0f) * scale;
+  return lo ? 0.0f : (hi ? std::numeric_limits<float>::infinity() : res);
 }
 
-// erfc(z) for z >= 0.
-FUSEDLAYERS_INLINE float erfc_approx(float z) {
-  const float t = 1.0f / (1.0f + 0.5f * z);
-  float p = 0.17087277f;
-  p = p * t - 0.82215223f;
-  p = p * t + 1.48851587f;
-  p = p * t - 1.13520398f;
-  p = p * t + 0.27886807f;
-  p = p * t - 0.18628806f;
-  p = p * t + 0.09678418f;
-  p = p * t + 0.37409196f;
-  p = p * t + 1.00002368f;
-  p = p * t - 1.26551223f;
-  return t * exp_approx(p - z * z);
+// erfc(z) e^{z^2} for z = |u| / sqrt 2, the scaled complementary error function: t G(t) with
+// t = 1 / (1 + z/2) and G of degree 10, fitted for relative error (max 1.1e-8 in exact
+// arithmetic, ~2e-7 in float) in the variable of Press et al., Numerical Recipes 2nd ed. §6.2.
+// Keeping e^{-z^2} outside lets GELU's gradient share one exp between Phi and the pdf.
+FUSEDLAYERS_INLINE float erfcx_approx_of_abs(float u) {
+  const float t = 1.0f / (1.0f + std::abs(u) * 0.35355339059327376f);  // z/2 = |u| / (2 sqrt 2)
+  const float t2 = t * t, t4 = t2 * t2;  // Estrin's scheme, as in exp_approx
+  const float g = ((2.820947949e-1f + 2.820938420e-1f * t) +
+                   (2.468808824e-1f + 1.753732564e-1f * t) * t2) +
+                  ((9.302343999e-2f - 5.731799185e-2f * t) +
+                   (1.272857766e-1f - 4.472571062e-1f * t) * t2) * t4 +
+                  ((4.864195662e-1f - 2.309721610e-1f * t) + 4.237568961e-2f * t2) * (t4 * t4);
+  return t * g;
 }
 
 inline double exp_approx(double x) { return std::exp(x); }
-inline double erfc_approx(double z) { return std::erfc(z); }
 
 template <typename A> constexpr A kSqrt1_2 = A(0.70710678118654752440);
 template <typename A> constexpr A kSqrt2OverPi = A(0.79788456080286535588);
 template <typename A> constexpr A kInvSqrt2Pi = A(0.39894228040143267794);
 template <typename A> constexpr A kCoeff = A(0.044715);
 
-// Phi(u) = (1 + erf(u / sqrt 2)) / 2 from erfc of |u|, accurate in both tails.
+// P(N(0,1) > |u|) = erfc(|u| / sqrt 2) / 2, given e = exp(-u^2 / 2): relative accuracy in the
+// whole tail, where 1 - Phi(|u|) would cancel. double uses libm's erfc (and ignores e).
+FUSEDLAYERS_INLINE float upper_tail(float u, float e) {
+  return 0.5f * erfcx_approx_of_abs(u) * e;
+}
+inline double upper_tail(double u, double) {
+  return 0.5 * std::erfc(std::abs(u) * kSqrt1_2<double>);
+}
+
+// Phi(u), given e = exp(-u^2 / 2).
 template <typename A>
-FUSEDLAYERS_INLINE A normal_cdf(A u) {
-  const A half_tail = A(0.5) * erfc_approx(std::abs(u) * kSqrt1_2<A>);
-  return u > A(0) ? A(1) - half_tail : half_tail;
+FUSEDLAYERS_INLINE A normal_cdf(A u, A e) {
+  const A q = upper_tail(u, e);
+  return u > A(0) ? A(1) - q : q;
 }
 
 // (1 + tanh(z)) / 2 = 1 / (1 + e^{-2z}): no cancellation for negative z.
@@ -85,29 +96,58 @@ FUSEDLAYERS_INLINE A tanh_cdf(A u) {
 }
 
 template <typename A>
-FUSEDLAYERS_INLINE void gelu_row(A* v, int64_t n, GeluApprox approx) {
+FUSEDLAYERS_INLINE A gelu(A u, GeluApprox approx) {
+  return u * (approx == GeluApprox::kTanh ? tanh_cdf(u)
+                                          : normal_cdf(u, exp_approx(A(-0.5) * u * u)));
+}
+
+template <typename A>
+FUSEDLAYERS_INLINE A gelu_grad(A u, GeluApprox approx) {
   if (approx == GeluApprox::kTanh) {
-    for (int64_t j = 0; j < n; ++j) v[j] = v[j] * tanh_cdf(v[j]);
+    const A s = tanh_cdf(u);
+    const A dz = kSqrt2OverPi<A> * (A(1) + A(3) * kCoeff<A> * u * u);
+    return s + A(2) * u * s * (A(1) - s) * dz;
+  }
+  const A e = exp_approx(A(-0.5) * u * u);
+  return normal_cdf(u, e) + u * kInvSqrt2Pi<A> * e;
+}
+
+// A block of `rows` contiguous rows: pre = h + bias (bias may be null; pre may alias h, and
+// is not written when both hold), y = gelu(pre). GELU runs as one flat loop over the block, so
+// narrow rows pay no per-row loop overhead; the approximation is a loop invariant, each branch
+// its own vectorized loop.
+template <typename A>
+FUSEDLAYERS_INLINE void bias_gelu_rows(const A* h, const A* bias, A* pre, A* y, int64_t rows,
+                                       int64_t cols, GeluApprox approx) {
+  const int64_t n = rows * cols;
+  if (bias) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) pre[r * cols + j] = h[r * cols + j] + bias[j];
+    h = pre;
+  } else if (pre != h) {
+    std::copy(h, h + n, pre);
+  }
+  if (approx == GeluApprox::kTanh) {
+    for (int64_t i = 0; i < n; ++i) y[i] = gelu(h[i], GeluApprox::kTanh);
   } else {
-    for (int64_t j = 0; j < n; ++j) v[j] = v[j] * normal_cdf(v[j]);
+    for (int64_t i = 0; i < n; ++i) y[i] = gelu(h[i], GeluApprox::kNone);
   }
 }
 
-// v = dy * gelu'(u), with d the incoming gradient.
+// A block of `rows` contiguous rows: dpre = dy * gelu'(u) (dpre may alias dy); each row of dpre
+// added to dbias in row order, where dbias is given.
 template <typename A>
-FUSEDLAYERS_INLINE void gelu_grad_row(const A* u, A* d, int64_t n, GeluApprox approx) {
+FUSEDLAYERS_INLINE void gelu_grad_rows(const A* u, const A* dy, A* dpre, A* dbias, int64_t rows,
+                                       int64_t cols, GeluApprox approx) {
+  const int64_t n = rows * cols;
   if (approx == GeluApprox::kTanh) {
-    for (int64_t j = 0; j < n; ++j) {
-      const A s = tanh_cdf(u[j]);
-      const A dz = kSqrt2OverPi<A> * (A(1) + A(3) * kCoeff<A> * u[j] * u[j]);
-      d[j] *= s + A(2) * u[j] * s * (A(1) - s) * dz;
-    }
+    for (int64_t i = 0; i < n; ++i) dpre[i] = dy[i] * gelu_grad(u[i], GeluApprox::kTanh);
   } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const A pdf = kInvSqrt2Pi<A> * exp_approx(A(-0.5) * u[j] * u[j]);
-      d[j] *= normal_cdf(u[j]) + u[j] * pdf;
-    }
+    for (int64_t i = 0; i < n; ++i) dpre[i] = dy[i] * gelu_grad(u[i], GeluApprox::kNone);
   }
+  if (dbias)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) dbias[j] += dpre[r * cols + j];
 }
 
 // The float rows are the hot loops: compiled for AVX-512, for AVX2 + FMA and for the baseline,
@@ -120,23 +160,38 @@ FUSEDLAYERS_INLINE void gelu_grad_row(const A* u, A* d, int64_t n, GeluApprox ap
 #define FUSEDLAYERS_CPU_CLONES
 #endif
 
-FUSEDLAYERS_CPU_CLONES void gelu_row_f32(float* v, int64_t n, GeluApprox approx) {
-  gelu_row(v, n, approx);
+FUSEDLAYERS_CPU_CLONES void bias_gelu_rows_f32(const float* h, const float* bias, float* pre,
+                                               float* y, int64_t rows, int64_t cols,
+                                               GeluApprox approx) {
+  bias_gelu_rows(h, bias, pre, y, rows, cols, approx);
 }
 
-FUSEDLAYERS_CPU_CLONES void gelu_grad_row_f32(const float* u, float* d, int64_t n,
-                                              GeluApprox approx) {
-  gelu_grad_row(u, d, n, approx);
+FUSEDLAYERS_CPU_CLONES void gelu_grad_rows_f32(const float* u, const float* dy, float* dpre,
+                                               float* dbias, int64_t rows, int64_t cols,
+                                               GeluApprox approx) {
+  gelu_grad_rows(u, dy, dpre, dbias, rows, cols, approx);
 }
 
-void gelu_row_acc(float* v, int64_t n, GeluApprox approx) { gelu_row_f32(v, n, approx); }
-void gelu_row_acc(double* v, int64_t n, GeluApprox approx) { gelu_row(v, n, approx); }
-void gelu_grad_row_acc(const float* u, float* d, int64_t n, GeluApprox approx) {
-  gelu_grad_row_f32(u, d, n, approx);
+void bias_gelu_rows_acc(const float* h, const float* bias, float* pre, float* y, int64_t rows,
+                        int64_t cols, GeluApprox approx) {
+  bias_gelu_rows_f32(h, bias, pre, y, rows, cols, approx);
 }
-void gelu_grad_row_acc(const double* u, double* d, int64_t n, GeluApprox approx) {
-  gelu_grad_row(u, d, n, approx);
+void bias_gelu_rows_acc(const double* h, const double* bias, double* pre, double* y,
+                        int64_t rows, int64_t cols, GeluApprox approx) {
+  bias_gelu_rows(h, bias, pre, y, rows, cols, approx);
 }
+void gelu_grad_rows_acc(const float* u, const float* dy, float* dpre, float* dbias, int64_t rows,
+                        int64_t cols, GeluApprox approx) {
+  gelu_grad_rows_f32(u, dy, dpre, dbias, rows, cols, approx);
+}
+void gelu_grad_rows_acc(const double* u, const double* dy, double* dpre, double* dbias,
+                        int64_t rows, int64_t cols, GeluApprox approx) {
+  gelu_grad_rows(u, dy, dpre, dbias, rows, cols, approx);
+}
+
+// Rows per block: about 32 KB of float per block, so a block's pre / dpre is still in L1 or L2
+// when the next loop over it reads it.
+int64_t block_rows(int64_t cols) { return std::max<int64_t>(1, 8192 / cols); }
 
 }  // namespace
 
@@ -148,20 +203,30 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
   cpu::dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = typename cpu::Acc<T>::type;
-    const std::vector<A> b = cpu::param_or<T, A>(bias, cols, A(0));
-    const int64_t grain = std::max<int64_t>(1, 4096 / cols);
-    parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<A> buf(static_cast<size_t>(cols));
-      A* v = buf.data();
-      for (int64_t r = begin; r < end; ++r) {
-        T* pre_row = static_cast<T*>(pre) + r * cols;
-        cpu::load(static_cast<const T*>(h) + r * cols, v, cols);
-        for (int64_t j = 0; j < cols; ++j) v[j] += b[j];
-        // The unfused layer rounds the linear output to T before GELU: so do we.
-        cpu::store(v, pre_row, cols);
-        cpu::load(pre_row, v, cols);
-        gelu_row_acc(v, cols, approx);
-        cpu::store(v, static_cast<T*>(y) + r * cols, cols);
+    const T* hp = static_cast<const T*>(h);
+    T* pp = static_cast<T*>(pre);
+    T* yp = static_cast<T*>(y);
+    const int64_t block = block_rows(cols);
+    parallel_for(rows, block, [&](int64_t begin, int64_t end) {
+      std::vector<A> buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(block * cols));
+      const std::vector<A> b =
+          std::is_same_v<T, A> ? std::vector<A>() : cpu::param_or<T, A>(bias, cols, A(0));
+      for (int64_t r = begin; r < end; r += block) {
+        const int64_t n = std::min(block, end - r), off = r * cols;
+        if constexpr (std::is_same_v<T, A>) {  // computed in place, no staging
+          bias_gelu_rows_acc(hp + off, static_cast<const T*>(bias), pp + off, yp + off, n, cols,
+                             approx);
+        } else {  // 16-bit rows staged in float
+          A* v = buf.data();
+          cpu::load(hp + off, v, n * cols);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < cols; ++j) v[i * cols + j] += b[j];
+          // The unfused layer rounds the linear output to T before GELU: so do we.
+          cpu::store(v, pp + off, n * cols);
+          cpu::load(pp + off, v, n * cols);
+          bias_gelu_rows_acc(v, nullptr, v, v, n, cols, approx);
+          cpu::store(v, yp + off, n * cols);
+        }
       }
     });
   });
@@ -185,24 +250,33 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
     A* partial = static_cast<A*>(workspace);  // [chunk][cols]
     const int64_t chunks = cpu::num_chunks(rows, cols);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
+    const T* up = static_cast<const T*>(pre);
+    const T* dyp = static_cast<const T*>(dy);
+    T* dpp = static_cast<T*>(dpre);
+    const int64_t block = block_rows(cols);
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
-      std::vector<A> buf(static_cast<size_t>(2 * cols));
+      std::vector<A> buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(2 * block * cols));
       A* u = buf.data();
-      A* d = u + cols;
+      A* d = u + block * cols;
       for (int64_t c = cbegin; c < cend; ++c) {
         A* pb = dbias ? partial + c * cols : nullptr;
         if (pb) std::fill(pb, pb + cols, A(0));
         const int64_t rend = std::min(rows, (c + 1) * per_chunk);
-        for (int64_t r = c * per_chunk; r < rend; ++r) {
-          T* dpre_row = static_cast<T*>(dpre) + r * cols;
-          cpu::load(static_cast<const T*>(pre) + r * cols, u, cols);
-          cpu::load(static_cast<const T*>(dy) + r * cols, d, cols);
-          gelu_grad_row_acc(u, d, cols, approx);
-          cpu::store(d, dpre_row, cols);
-          if (!pb) continue;
-          // dbias sums the rounded dpre, as the unfused Linear's bias gradient does.
-          cpu::load(dpre_row, d, cols);
-          for (int64_t j = 0; j < cols; ++j) pb[j] += d[j];
+        for (int64_t r = c * per_chunk; r < rend; r += block) {
+          const int64_t n = std::min(block, rend - r), off = r * cols;
+          if constexpr (std::is_same_v<T, A>) {
+            gelu_grad_rows_acc(up + off, dyp + off, dpp + off, pb, n, cols, approx);
+          } else {
+            cpu::load(up + off, u, n * cols);
+            cpu::load(dyp + off, d, n * cols);
+            gelu_grad_rows_acc(u, d, d, nullptr, n, cols, approx);
+            cpu::store(d, dpp + off, n * cols);
+            if (!pb) continue;
+            // dbias sums the rounded dpre, as the unfused Linear's bias gradient does.
+            cpu::load(dpp + off, d, n * cols);
+            for (int64_t i = 0; i < n; ++i)
+              for (int64_t j = 0; j < cols; ++j) pb[j] += d[i * cols + j];
+          }
         }
       }
     });
