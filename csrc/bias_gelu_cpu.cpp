@@ -16,9 +16,6 @@
 
 #include "cpu_types.h"
 
-// Inlined into each target clone below, so the math is compiled for that clone's ISA.
-#define FUSEDLAYERS_INLINE inline __attribute__((always_inline))
-
 namespace fusedlayers {
 namespace {
 
@@ -150,16 +147,8 @@ FUSEDLAYERS_INLINE void gelu_grad_rows(const A* u, const A* dy, A* dpre, A* dbia
       for (int64_t j = 0; j < cols; ++j) dbias[j] += dpre[r * cols + j];
 }
 
-// The float rows are the hot loops: compiled for AVX-512, for AVX2 + FMA and for the baseline,
-// the variant picked at load time from the CPU (GCC target_clones). Measured on a 2-core EPYC,
-// 1024 x 128 backward: 1.16 ms baseline, 0.50 ms AVX2, 0.24 ms AVX-512; a CPU without them
-// still runs the baseline. Double rows stay baseline (their libm calls do not vectorize).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FUSEDLAYERS_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FUSEDLAYERS_CPU_CLONES
-#endif
-
+// float blocks run in target clones (cpu_types.h); double blocks stay baseline (their libm calls
+// do not vectorize).
 FUSEDLAYERS_CPU_CLONES void bias_gelu_rows_f32(const float* h, const float* bias, float* pre,
                                                float* y, int64_t rows, int64_t cols,
                                                GeluApprox approx) {
