@@ -99,10 +99,12 @@ class LinearGelu : public torch::autograd::Function<LinearGelu> {
         op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                               const OptTensor&, c10::string_view)>("linear_gelu");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, pre] = fwd.call(input, weight, bias, approximate);
+    // The GEMMs need a contiguous input: made once here and saved, not again for wgrad.
+    const at::Tensor x = input.contiguous();
+    auto [y, pre] = fwd.call(x, weight, bias, approximate);
     ctx->mark_non_differentiable({pre});
     ctx->set_materialize_grads(false);  // no zero-filled gradient for the unused pre output
-    ctx->save_for_backward({input, weight, pre});
+    ctx->save_for_backward({x, weight, pre});
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["approximate"] = std::string(approximate);
     return {y, pre};

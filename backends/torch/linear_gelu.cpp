@@ -1,7 +1,7 @@
 // PyTorch implementation of fusedlayers::linear_gelu{,_backward}.
-// CPU: the GEMMs are ATen's: the forward adds the bias inside the GEMM (at::addmm, as nn.Linear
-// does, so pre is bit-identical to the unfused layer's output) and csrc applies GELU; the
-// backward's GELU gradient and dbias are one csrc pass, dgrad and wgrad are at::mm.
+// CPU: the GEMMs are ATen's (at::mm); csrc adds the bias and applies GELU in one pass over the
+// GEMM's output (at::addmm would first fill the output with the broadcast bias, one more pass);
+// the backward's GELU gradient and dbias are one csrc pass, dgrad and wgrad are at::mm.
 // CUDA: csrc runs everything on cuBLASLt with ATen's handle and workspace (csrc/linear_gelu.h).
 #include "backends/torch/binding.h"
 #include "csrc/bias_gelu.h"
@@ -84,12 +84,13 @@ std::tuple<at::Tensor, at::Tensor> linear_gelu_op(const at::Tensor& input,
   }
 #endif
   const at::Tensor x2d = as_2d(input);
-  at::Tensor pre = bias ? at::addmm(*bias, x2d, weight.t()) : at::mm(x2d, weight.t());
+  at::Tensor pre = at::mm(x2d, weight.t());
   at::Tensor y = at::empty_like(pre);
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   call_csrc([&] {
-    bias_gelu_forward_cpu(pre.data_ptr(), nullptr, pre.data_ptr(), y.data_ptr(), pre.size(0),
-                          out_features, approx, to_dtype(pre.scalar_type()),
-                          aten_parallel_for());
+    bias_gelu_forward_cpu(pre.data_ptr(), b.defined() ? b.data_ptr() : nullptr, pre.data_ptr(),
+                          y.data_ptr(), pre.size(0), out_features, approx,
+                          to_dtype(pre.scalar_type()), aten_parallel_for());
   });
   return {y.view(shape), pre.view(shape)};
 }
