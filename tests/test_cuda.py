@@ -3,6 +3,8 @@
 References are computed by torch in float32 (float64 for the fp32 cases' gradients) from the same
 inputs; fp16/bf16 tolerances are calibrated against torch's own half-precision result."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -198,6 +200,24 @@ def test_linear_gelu_matches_torch(m, k, n, bias, approximate, dtype):
     assert_close(y, yh, yr, dtype, "y")
     for name, g, h, r in zip(("dx", "dW", "db"), grads, half_grads, ref_grads):
         assert_close(g, h, r, dtype, name)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_negative_tail_relative_accuracy(approximate):
+    # GELU and its gradient from e^{-u^2/2} times the erfc fit (or a sigmoid) keep their relative
+    # accuracy where 1 + erf(u) would cancel, with the kernel's fast exponentials.
+    u = torch.linspace(-9, -3, 6001, device="cuda", dtype=torch.float32, requires_grad=True)
+    y = fl.linear_gelu(u[:, None], torch.ones(1, 1, device="cuda"), None, approximate)[:, 0]
+    (dy,) = torch.autograd.grad(y, u, torch.ones_like(y))
+    v = u.detach().double().requires_grad_()
+    if approximate == "none":
+        exact = v * 0.5 * torch.special.erfc(-v / math.sqrt(2))
+    else:
+        exact = v * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))
+    (dexact,) = torch.autograd.grad(exact, v, torch.ones_like(exact))
+    for name, ours, ref in (("y", y, exact), ("dy/du", dy, dexact)):
+        worst = ((ours.double() - ref) / ref).abs().max().item()
+        assert worst <= 2e-5, f"{name}: {worst}"
 
 
 def test_linear_gelu_dbias_is_deterministic():
