@@ -522,7 +522,7 @@ int64_t resident_blocks(int threads, size_t smem) {
   cudaFuncAttributes attr;
   cuda::check(cudaFuncGetAttributes(&attr, Kernel), "cudaFuncGetAttributes");
   if (smem + attr.sharedSizeBytes <= size_t(optin)) {
-    if (smem > 48 * 1024)
+    if (smem + attr.sharedSizeBytes > 48 * 1024)  // static + dynamic: the opt-in limit
       cuda::check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(smem)),
                   "cudaFuncSetAttribute");
