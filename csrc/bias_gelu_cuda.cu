@@ -15,6 +15,7 @@ namespace {
 using cuda::from_acc;
 using cuda::to_acc;
 using A = float;
+constexpr int kThreads = 256;
 
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
@@ -98,31 +99,35 @@ __global__ void forward_kernel(const T* __restrict__ h, const T* __restrict__ bi
   }
 }
 
-// Block (32, 8): x picks a vector of columns, y strides over this block's slab of rows.
+// Block (bx, by), bx * by = kThreads: x picks a vector of columns, y strides over this block's
+// slab of rows. bx spans the row up to kThreads vectors (4 KB of bf16), so each row is read in
+// long contiguous runs; narrower rows take several rows per step instead.
 template <typename T, int N>
-__global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ pre,
-                                T* __restrict__ dpre, A* __restrict__ partial, int64_t rows,
-                                int64_t cols, int64_t rows_per_slab, bool tanh_form) {
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(const T* __restrict__ dy, const T* __restrict__ pre, T* __restrict__ dpre,
+                    A* __restrict__ partial, int64_t rows, int64_t cols, int64_t rows_per_slab,
+                    bool tanh_form) {
   using V = cuda::Vec<T, N>;
-  __shared__ A smem[8][32 * N + 1];
-  const int64_t c = (int64_t(blockIdx.x) * 32 + threadIdx.x) * N;
+  __shared__ A smem[kThreads * N];
+  const int bx = blockDim.x, by = blockDim.y;
+  const int64_t c = (int64_t(blockIdx.x) * bx + threadIdx.x) * N;
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_slab;
   const int64_t r1 = r0 + rows_per_slab < rows ? r0 + rows_per_slab : rows;
   A acc[N] = {};
-  constexpr int kUnroll = 2;  // rows in flight per thread
+  constexpr int kUnroll = 4;  // rows in flight per thread
   if (c < cols) {
-    for (int64_t r0t = r0 + threadIdx.y; r0t < r1; r0t += 8 * kUnroll) {
+    for (int64_t r0t = r0 + threadIdx.y; r0t < r1; r0t += by * kUnroll) {
       V g[kUnroll], u[kUnroll];
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
-        const int64_t r = r0t + 8 * j;
+        const int64_t r = r0t + by * j;
         if (r >= r1) break;
         g[j] = *reinterpret_cast<const V*>(dy + r * cols + c);
         u[j] = *reinterpret_cast<const V*>(pre + r * cols + c);
       }
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
-        const int64_t r = r0t + 8 * j;
+        const int64_t r = r0t + by * j;
         if (r >= r1) break;
         V out;
 #pragma unroll
@@ -135,29 +140,29 @@ __global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ 
     }
   }
   if (!partial) return;
+  if (by > 1) {
 #pragma unroll
-  for (int k = 0; k < N; ++k) smem[threadIdx.y][threadIdx.x * N + k] = acc[k];
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= cols) return;
+    for (int k = 0; k < N; ++k) smem[(threadIdx.y * bx + threadIdx.x) * N + k] = acc[k];
+    __syncthreads();
+    if (threadIdx.y != 0) return;
 #pragma unroll
-  for (int k = 0; k < N; ++k) {
-    A s = 0;
-    for (int j = 0; j < 8; ++j) s += smem[j][threadIdx.x * N + k];  // fixed order
-    partial[int64_t(blockIdx.y) * cols + c + k] = s;
+    for (int k = 0; k < N; ++k)
+      for (int j = 1; j < by; ++j) acc[k] += smem[(j * bx + threadIdx.x) * N + k];  // fixed order
   }
+  if (c >= cols) return;
+#pragma unroll
+  for (int k = 0; k < N; ++k) partial[int64_t(blockIdx.y) * cols + c + k] = acc[k];
 }
 
+// dbias[c] = sum over slabs of the partials, in a fixed order: 32 columns per block of (32, 32).
 template <typename T>
 __global__ void reduce_slabs_kernel(const A* __restrict__ partial, int64_t slabs, int64_t cols,
                                     T* __restrict__ dbias) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  A s = 0;
-  for (int64_t j = 0; j < slabs; ++j) s += partial[j * cols + c];
-  dbias[c] = from_acc<T>(s);
+  __shared__ A smem[32][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  const A s = cuda::column_sum(partial, slabs, cols, cols, smem);
+  if (threadIdx.y == 0 && c < cols) dbias[c] = from_acc<T>(s);
 }
-
-constexpr int kThreads = 256;
 
 void check_args(const char* op, int64_t rows, int64_t cols, DType dtype) {
   if (rows < 0 || cols < 0)
@@ -166,11 +171,20 @@ void check_args(const char* op, int64_t rows, int64_t cols, DType dtype) {
   if (dtype == DType::kFloat64) fail(std::string(op) + ": float64 is not supported on CUDA");
 }
 
+// Backward block shape for rows of `cols` in vectors of n: (vectors per row up to kThreads,
+// rows per step for the rest).
+dim3 backward_block(int64_t cols, int n) {
+  int bx = 1;
+  while (bx < kThreads && int64_t(bx) * n < cols) bx *= 2;
+  return dim3(bx, kThreads / bx);
+}
+
 // Slabs of rows for dbias: enough blocks to fill the device, whatever the width.
 int64_t num_slabs(int64_t rows, int64_t cols, int n) {
-  const int64_t col_blocks = (cols + 32 * n - 1) / (32 * n);
+  const dim3 block = backward_block(cols, n);
+  const int64_t col_blocks = (cols + int64_t(block.x) * n - 1) / (int64_t(block.x) * n);
   const int64_t wanted = std::max<int64_t>(1, int64_t(cuda::sm_count()) * 8 / col_blocks);
-  return std::max<int64_t>(1, std::min(wanted, (rows + 7) / 8));
+  return std::max<int64_t>(1, std::min(wanted, (rows + block.y - 1) / block.y));
 }
 
 template <typename Fn>
@@ -216,9 +230,10 @@ void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y,
 
 size_t bias_gelu_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
   check_args("bias_gelu_backward", rows, cols, dtype);
-  // The widest vectors give the fewest column blocks, hence the most slabs.
-  const int widest = dtype == DType::kFloat32 ? 4 : 8;
-  return size_t(num_slabs(rows, cols, widest)) * size_t(cols) * sizeof(A);
+  // Enough for either launch: vectors of 16 bytes or single elements.
+  const int64_t slabs = std::max(num_slabs(rows, cols, dtype == DType::kFloat32 ? 4 : 8),
+                                 num_slabs(rows, cols, 1));
+  return size_t(slabs) * size_t(cols) * sizeof(A);
 }
 
 void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* dbias,
@@ -236,8 +251,9 @@ void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* 
     auto launch = [&](auto n_tag) {
       constexpr int N = decltype(n_tag)::value;
       const int64_t slabs = num_slabs(rows, cols, N);
-      const dim3 grid((cols + 32 * N - 1) / (32 * N), slabs);
-      backward_kernel<T, N><<<grid, dim3(32, 8), 0, stream>>>(
+      const dim3 block = backward_block(cols, N);
+      const dim3 grid((cols + int64_t(block.x) * N - 1) / (int64_t(block.x) * N), slabs);
+      backward_kernel<T, N><<<grid, block, 0, stream>>>(
           static_cast<const T*>(dy), static_cast<const T*>(pre), static_cast<T*>(dpre), partial,
           rows, cols, (rows + slabs - 1) / slabs, approx == GeluApprox::kTanh);
       return slabs;
@@ -246,7 +262,7 @@ void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* 
                               : launch(std::integral_constant<int, 1>{});
     cuda::check_launch("bias_gelu backward_kernel");
     if (!dbias) return;
-    reduce_slabs_kernel<T><<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+    reduce_slabs_kernel<T><<<(cols + 31) / 32, dim3(32, 32), 0, stream>>>(
         partial, slabs, cols, static_cast<T*>(dbias));
     cuda::check_launch("bias_gelu reduce_slabs_kernel");
   });

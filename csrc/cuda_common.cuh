@@ -77,6 +77,26 @@ __device__ __forceinline__ A block_sum(A v, A* smem) {
   return total;
 }
 
+// Column sums of per-group partials, for a block of (32, 32) threads: column
+// blockIdx.x * 32 + threadIdx.x of the `groups` rows `stride` apart at `partial`. Thread row y sums
+// groups y, y + 32, ... in order, then the 32 subtotals are added in order: a fixed order for any
+// grid, so results are reproducible. The sum is returned in threadIdx.y == 0 (0 past cols).
+template <typename A>
+__device__ __forceinline__ A column_sum(const A* __restrict__ partial, int64_t groups,
+                                        int64_t stride, int64_t cols, A (&smem)[32][33]) {
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  A s = 0;
+  if (c < cols)
+    for (int64_t g = threadIdx.y; g < groups; g += 32) s += partial[g * stride + c];
+  __syncthreads();  // smem may still be read by a previous call
+  smem[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  A total = 0;
+  if (threadIdx.y == 0)
+    for (int j = 0; j < 32; ++j) total += smem[j][threadIdx.x];
+  return total;
+}
+
 // Calls fn(T{}) with T the CUDA storage type of `dtype`.
 template <typename Fn>
 void dispatch(DType dtype, Fn&& fn) {

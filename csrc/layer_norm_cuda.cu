@@ -432,31 +432,19 @@ __global__ void __launch_bounds__(kStreamThreads)
   }
 }
 
-// dgamma[c] / dbeta[c] = sum over groups of the partials, in group order: 32 columns per block,
-// 32 strided group subsets per column summed in a fixed order in shared memory.
+// dgamma[c] / dbeta[c] = sum over groups of the partials, in a fixed order: 32 columns per
+// block of (32, 32) threads.
 template <typename P>
 __global__ void reduce_partials_kernel(const A* __restrict__ partial, int64_t groups,
                                        int64_t cols, P* __restrict__ dgamma,
                                        P* __restrict__ dbeta) {
-  __shared__ A sg[32][33], sb[32][33];
+  __shared__ A smem[32][33];
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  A g = 0, b = 0;
-  if (c < cols)
-    for (int64_t grp = threadIdx.y; grp < groups; grp += 32) {
-      g += partial[grp * 2 * cols + c];
-      b += partial[grp * 2 * cols + cols + c];
-    }
-  sg[threadIdx.y][threadIdx.x] = g;
-  sb[threadIdx.y][threadIdx.x] = b;
-  __syncthreads();
+  const A g = cuda::column_sum(partial, groups, 2 * cols, cols, smem);
+  const A b = cuda::column_sum(partial + cols, groups, 2 * cols, cols, smem);
   if (threadIdx.y != 0 || c >= cols) return;
-  A tg = 0, tb = 0;
-  for (int j = 0; j < 32; ++j) {
-    tg += sg[j][threadIdx.x];
-    tb += sb[j][threadIdx.x];
-  }
-  if (dgamma) dgamma[c] = from_acc<P>(tg);
-  if (dbeta) dbeta[c] = from_acc<P>(tb);
+  if (dgamma) dgamma[c] = from_acc<P>(g);
+  if (dbeta) dbeta[c] = from_acc<P>(b);
 }
 
 // For the first shape of `Shapes` that holds a row of `cols` elements as vectors of N, returns
