@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_slab;
   const int64_t r1 = r0 + rows_per_slab < rows ? r0 + rows_per_slab : rows;
   A acc[N] = {};
-  constexpr int kUnroll = 4;  // rows in flight per thread
+  constexpr int kUnroll = 1;  // rows in flight per thread
   if (c < cols) {
     for (int64_t r0t = r0 + threadIdx.y; r0t < r1; r0t += by * kUnroll) {
       V g[kUnroll], u[kUnroll];
@@ -179,11 +179,18 @@ dim3 backward_block(int64_t cols, int n) {
   return dim3(bx, kThreads / bx);
 }
 
-// Slabs of rows for dbias: enough blocks to fill the device, whatever the width.
-int64_t num_slabs(int64_t rows, int64_t cols, int n) {
-  const dim3 block = backward_block(cols, n);
-  const int64_t col_blocks = (cols + int64_t(block.x) * n - 1) / (int64_t(block.x) * n);
-  const int64_t wanted = std::max<int64_t>(1, int64_t(cuda::sm_count()) * 8 / col_blocks);
+// Slabs of rows for dbias: one wave of the blocks the device holds at once (no partial last
+// wave), whatever the width.
+template <typename T, int N>
+int64_t num_slabs(int64_t rows, int64_t cols) {
+  int per_sm = 0;
+  cuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<T, N>,
+                                                            kThreads, 0),
+              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const dim3 block = backward_block(cols, N);
+  const int64_t col_blocks = (cols + int64_t(block.x) * N - 1) / (int64_t(block.x) * N);
+  const int64_t wanted =
+      std::max<int64_t>(1, int64_t(cuda::sm_count()) * std::max(per_sm, 1) / col_blocks);
   return std::max<int64_t>(1, std::min(wanted, (rows + block.y - 1) / block.y));
 }
 
@@ -230,9 +237,11 @@ void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y,
 
 size_t bias_gelu_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
   check_args("bias_gelu_backward", rows, cols, dtype);
-  // Enough for either launch: vectors of 16 bytes or single elements.
-  const int64_t slabs = std::max(num_slabs(rows, cols, dtype == DType::kFloat32 ? 4 : 8),
-                                 num_slabs(rows, cols, 1));
+  int64_t slabs = 0;
+  dispatch_half_float(dtype, [&](auto t) {  // enough for either launch: 16-byte vectors or not
+    using T = decltype(t);
+    slabs = std::max(num_slabs<T, 16 / sizeof(T)>(rows, cols), num_slabs<T, 1>(rows, cols));
+  });
   return size_t(slabs) * size_t(cols) * sizeof(A);
 }
 
@@ -250,7 +259,7 @@ void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* 
     A* partial = dbias ? static_cast<A*>(workspace) : nullptr;
     auto launch = [&](auto n_tag) {
       constexpr int N = decltype(n_tag)::value;
-      const int64_t slabs = num_slabs(rows, cols, N);
+      const int64_t slabs = num_slabs<T, N>(rows, cols);
       const dim3 block = backward_block(cols, N);
       const dim3 grid((cols + int64_t(block.x) * N - 1) / (int64_t(block.x) * N), slabs);
       backward_kernel<T, N><<<grid, block, 0, stream>>>(
