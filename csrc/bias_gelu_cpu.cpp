@@ -161,26 +161,6 @@ FUSEDLAYERS_CPU_CLONES void gelu_grad_rows_f32(const float* u, const float* dy, 
   gelu_grad_rows(u, dy, dpre, dbias, rows, cols, approx);
 }
 
-template <typename A>
-void bias_gelu_rows_any(const A* h, const A* bias, A* pre, A* y, int64_t rows, int64_t cols,
-                        GeluApprox approx) {
-  if constexpr (std::is_same_v<A, float>) {
-    bias_gelu_rows_f32(h, bias, pre, y, rows, cols, approx);
-  } else {
-    bias_gelu_rows(h, bias, pre, y, rows, cols, approx);
-  }
-}
-
-template <typename A>
-void gelu_grad_rows_any(const A* u, const A* dy, A* dpre, A* dbias, int64_t rows, int64_t cols,
-                        GeluApprox approx) {
-  if constexpr (std::is_same_v<A, float>) {
-    gelu_grad_rows_f32(u, dy, dpre, dbias, rows, cols, approx);
-  } else {
-    gelu_grad_rows(u, dy, dpre, dbias, rows, cols, approx);
-  }
-}
-
 // Rows per block: about 32 KB of float per block, so a block's pre / dpre is still in L1 or L2
 // when the next loop over it reads it.
 int64_t block_rows(int64_t cols) { return std::max<int64_t>(1, 8192 / cols); }
@@ -199,15 +179,17 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
     T* pp = static_cast<T*>(pre);
     T* yp = static_cast<T*>(y);
     const int64_t block = block_rows(cols);
+    const std::vector<A> b =
+        std::is_same_v<T, A> ? std::vector<A>() : cpu::param_or<T, A>(bias, cols, A(0));
     parallel_for(rows, block, [&](int64_t begin, int64_t end) {
       std::vector<A> buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(block * cols));
-      const std::vector<A> b =
-          std::is_same_v<T, A> ? std::vector<A>() : cpu::param_or<T, A>(bias, cols, A(0));
       for (int64_t r = begin; r < end; r += block) {
         const int64_t n = std::min(block, end - r), off = r * cols;
-        if constexpr (std::is_same_v<T, A>) {  // computed in place, no staging
-          bias_gelu_rows_any(hp + off, static_cast<const T*>(bias), pp + off, yp + off, n, cols,
-                             approx);
+        const T* bp = static_cast<const T*>(bias);
+        if constexpr (std::is_same_v<T, float>) {  // computed in place, no staging
+          bias_gelu_rows_f32(hp + off, bp, pp + off, yp + off, n, cols, approx);
+        } else if constexpr (std::is_same_v<T, double>) {
+          bias_gelu_rows(hp + off, bp, pp + off, yp + off, n, cols, approx);
         } else {  // 16-bit rows staged in float
           A* v = buf.data();
           cpu::load(hp + off, v, n * cols);
@@ -216,7 +198,7 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
           // The unfused layer rounds the linear output to T before GELU: so do we.
           cpu::store(v, pp + off, n * cols);
           cpu::load(pp + off, v, n * cols);
-          bias_gelu_rows_any<A>(v, nullptr, v, v, n, cols, approx);
+          bias_gelu_rows_f32(v, nullptr, v, v, n, cols, approx);
           cpu::store(v, yp + off, n * cols);
         }
       }
@@ -256,12 +238,14 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
         const int64_t rend = std::min(rows, (c + 1) * per_chunk);
         for (int64_t r = c * per_chunk; r < rend; r += block) {
           const int64_t n = std::min(block, rend - r), off = r * cols;
-          if constexpr (std::is_same_v<T, A>) {
-            gelu_grad_rows_any(up + off, dyp + off, dpp + off, pb, n, cols, approx);
+          if constexpr (std::is_same_v<T, float>) {
+            gelu_grad_rows_f32(up + off, dyp + off, dpp + off, pb, n, cols, approx);
+          } else if constexpr (std::is_same_v<T, double>) {
+            gelu_grad_rows(up + off, dyp + off, dpp + off, pb, n, cols, approx);
           } else {
             cpu::load(up + off, u, n * cols);
             cpu::load(dyp + off, d, n * cols);
-            gelu_grad_rows_any<A>(u, d, d, nullptr, n, cols, approx);
+            gelu_grad_rows_f32(u, d, d, nullptr, n, cols, approx);
             cpu::store(d, dpp + off, n * cols);
             if (!pb) continue;
             // dbias sums the rounded dpre, as the unfused Linear's bias gradient does.

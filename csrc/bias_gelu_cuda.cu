@@ -183,10 +183,7 @@ dim3 backward_block(int64_t cols, int n) {
 // wave), whatever the width.
 template <typename T, int N>
 int64_t num_slabs(int64_t rows, int64_t cols) {
-  int per_sm = 0;
-  cuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<T, N>,
-                                                            kThreads, 0),
-              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int per_sm = cuda::resident_blocks<backward_kernel<T, N>>(kThreads, 0);
   const dim3 block = backward_block(cols, N);
   const int64_t col_blocks = (cols + int64_t(block.x) * N - 1) / (int64_t(block.x) * N);
   const int64_t wanted =

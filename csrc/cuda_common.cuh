@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <string>
 
 #include "common.h"
@@ -55,6 +56,34 @@ struct alignas(sizeof(T) * N) Vec {
 
 inline bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Blocks of `Kernel` (`threads` threads, `smem` bytes of dynamic shared memory, fixed per
+// kernel when nonzero) one SM holds at once; 0 when the device cannot give a block that much
+// shared memory. Worked out once per device and kernel, so it costs nothing per launch (the
+// shared memory opt-in is a per-device function attribute); racing first calls agree.
+template <auto Kernel>
+int resident_blocks(int threads, size_t smem) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[2][kMaxDevices];  // [smem > 0][device]: blocks + 1, 0 = unknown
+  int device;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  std::atomic<int>* entry = device < kMaxDevices ? &known[smem > 0][device] : nullptr;
+  if (entry && entry->load() > 0) return entry->load() - 1;
+  int optin = 0, n = 0;
+  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "cudaDeviceGetAttribute");
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, Kernel), "cudaFuncGetAttributes");
+  if (smem + attr.sharedSizeBytes <= size_t(optin)) {
+    if (smem + attr.sharedSizeBytes > 48 * 1024)  // static + dynamic: the opt-in limit
+      check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "cudaFuncSetAttribute");
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  }
+  if (entry) entry->store(n + 1);
+  return n;
 }
 
 template <typename A>

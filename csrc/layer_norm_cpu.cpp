@@ -165,27 +165,6 @@ FUSEDLAYERS_CPU_CLONES void backward_rows_f32(const BackwardArgs<float, float>& 
   backward_rows(a, pg, pb, buf, begin, end);
 }
 
-// float rows run in target clones; the others baseline.
-template <typename T, typename A>
-void forward_rows_any(const T* x, const A* g, const A* b, T* y, A* mean, A* rstd, A* buf,
-                      int64_t begin, int64_t end, int64_t cols, A eps, bool subtract_mean) {
-  if constexpr (std::is_same_v<T, float>) {
-    forward_rows_f32(x, g, b, y, mean, rstd, buf, begin, end, cols, eps, subtract_mean);
-  } else {
-    forward_rows(x, g, b, y, mean, rstd, buf, begin, end, cols, eps, subtract_mean);
-  }
-}
-
-template <typename T, typename A>
-void backward_rows_any(const BackwardArgs<T, A>& a, A* pg, A* pb, A* buf, int64_t begin,
-                       int64_t end) {
-  if constexpr (std::is_same_v<T, float>) {
-    backward_rows_f32(a, pg, pb, buf, begin, end);
-  } else {
-    backward_rows(a, pg, pb, buf, begin, end);
-  }
-}
-
 }  // namespace
 
 void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, void* y,
@@ -205,9 +184,17 @@ void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, 
     const int64_t grain = std::max<int64_t>(1, 16384 / cols);
     parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<A> buf(static_cast<size_t>(cols));
-      forward_rows_any(static_cast<const T*>(x), g.data(), b.data(), static_cast<T*>(y),
-                       static_cast<A*>(mean), static_cast<A*>(rstd), buf.data(), begin, end,
-                       cols, static_cast<A>(eps), subtract_mean);
+      const T* xp = static_cast<const T*>(x);
+      const A *gp = g.data(), *bp = b.data();
+      T* yp = static_cast<T*>(y);
+      A* mp = static_cast<A*>(mean);
+      A* rp = static_cast<A*>(rstd);
+      const A e = static_cast<A>(eps);
+      if constexpr (std::is_same_v<T, float>) {  // float rows in target clones
+        forward_rows_f32(xp, gp, bp, yp, mp, rp, buf.data(), begin, end, cols, e, subtract_mean);
+      } else {
+        forward_rows(xp, gp, bp, yp, mp, rp, buf.data(), begin, end, cols, e, subtract_mean);
+      }
     });
   });
 }
@@ -252,8 +239,12 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
         A* pg = want_params ? partial + c * 2 * cols : nullptr;
         A* pb = want_params ? pg + cols : nullptr;
         if (want_params) std::fill(pg, pg + 2 * cols, A(0));
-        backward_rows_any(args, pg, pb, buf.data(), c * per_chunk,
-                          std::min(rows, (c + 1) * per_chunk));
+        const int64_t begin = c * per_chunk, end = std::min(rows, (c + 1) * per_chunk);
+        if constexpr (std::is_same_v<T, float>) {  // float rows in target clones
+          backward_rows_f32(args, pg, pb, buf.data(), begin, end);
+        } else {
+          backward_rows(args, pg, pb, buf.data(), begin, end);
+        }
       }
     });
 

@@ -19,7 +19,6 @@
 // gamma/beta are read as vectors like the rows (the launchers check their alignment too): one
 // 16-byte load per 8 bf16 columns instead of 8 scalar loads.
 #include <algorithm>
-#include <atomic>
 #include <tuple>
 
 #include "cuda_common.cuh"
@@ -492,36 +491,6 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
   });
 }
 
-// Blocks of `Kernel` (`threads` threads, `smem` bytes of dynamic shared memory, fixed per
-// kernel when nonzero) one SM holds at once, at most kBackwardMaxBlocksPerSm; 0 when the device
-// cannot give a block that much shared memory. Worked out once per device and kernel (the
-// shared memory opt-in is a per-device function attribute); racing first calls agree.
-template <auto Kernel>
-int64_t resident_blocks(int threads, size_t smem) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[2][kMaxDevices];  // [smem > 0][device]: blocks + 1, 0 = unknown
-  int device;
-  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
-  std::atomic<int>* entry = device < kMaxDevices ? &known[smem > 0][device] : nullptr;
-  if (entry && entry->load() > 0) return entry->load() - 1;
-  int optin = 0, n = 0;
-  cuda::check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-              "cudaDeviceGetAttribute");
-  cudaFuncAttributes attr;
-  cuda::check(cudaFuncGetAttributes(&attr, Kernel), "cudaFuncGetAttributes");
-  if (smem + attr.sharedSizeBytes <= size_t(optin)) {
-    if (smem + attr.sharedSizeBytes > 48 * 1024)  // static + dynamic: the opt-in limit
-      cuda::check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(smem)),
-                  "cudaFuncSetAttribute");
-    cuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem),
-                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  }
-  const int blocks = std::min(n, kBackwardMaxBlocksPerSm);
-  if (entry) entry->store(blocks + 1);
-  return blocks;
-}
-
 // gamma and beta (where present) allow loads of `bytes`-byte vectors.
 bool params_aligned(const void* gamma, const void* beta, size_t bytes) {
   return (!gamma || cuda::aligned(gamma, bytes)) && (!beta || cuda::aligned(beta, bytes));
@@ -609,7 +578,9 @@ void layer_norm_backward_cuda(const void* dy, const void* saved, const void* mea
         using S = decltype(s);
         const size_t smem = partial ? Partials<N, S>::kBytes : 0;
         // Resident blocks only, so every block gets rows and none waits for a second wave.
-        const int64_t per_sm = resident_blocks<backward_kernel<T, P, N, S>>(S::kBlock, smem);
+        const int64_t per_sm =
+            std::min(cuda::resident_blocks<backward_kernel<T, P, N, S>>(S::kBlock, smem),
+                     kBackwardMaxBlocksPerSm);
         if (per_sm == 0) return false;  // accumulators too large for this device
         const int64_t blocks = std::max<int64_t>(
             1, std::min((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
