@@ -4,25 +4,35 @@
 // accumulation type (fp32, fp64 for fp64) with alpha rounded to it, then rounded to the output
 // dtype; NaN inputs stay NaN; the gradient is dy * alpha where x is not <= 0 (so NaN lets the
 // gradient through, as torch's threshold_backward does) and 0 elsewhere.
+//
+// The gradient needs only one bit of x, so the forward can save a bitmask for the backward instead
+// of x: forward + backward then move 16.25 bytes per float32 element instead of 20 (8.25 instead
+// of 10 for 16-bit types), and the saved activation is 32x (16x) smaller.
+// Mask layout: relu_scale_mask_words(n) 32-bit words; bit i % 32 of word i / 32 is set where x[i]
+// is not <= 0; the bits past n are 0. In bytes on a little-endian host it is
+// numpy.packbits(x > 0 | isnan(x), bitorder='little'), zero-padded to whole words.
 #pragma once
 
 #include "common.h"
 
 namespace fusedlayers {
 
-// x, y: n elements of `dtype`, contiguous. y may alias x.
-void relu_scale_forward_cpu(const void* x, void* y, int64_t n, double alpha, DType dtype,
-                            const ParallelFor& parallel_for);
+inline int64_t relu_scale_mask_words(int64_t n) { return (n + 31) / 32; }
 
-// dy, x, dx: n elements of `dtype`, contiguous. dx may alias dy.
-void relu_scale_backward_cpu(const void* dy, const void* x, void* dx, int64_t n, double alpha,
-                             DType dtype, const ParallelFor& parallel_for);
+// x, y: n elements of `dtype`, contiguous. y may alias x. mask: relu_scale_mask_words(n) words,
+// written when not null.
+void relu_scale_forward_cpu(const void* x, void* y, uint32_t* mask, int64_t n, double alpha,
+                            DType dtype, const ParallelFor& parallel_for);
+
+// dy, dx: n elements of `dtype`, contiguous; dx may alias dy. mask: as written by the forward.
+void relu_scale_backward_cpu(const void* dy, const uint32_t* mask, void* dx, int64_t n,
+                             double alpha, DType dtype, const ParallelFor& parallel_for);
 
 // CUDA: the same contract on device pointers, launched on `stream` of the current device.
 // 16-byte vector accesses when x, y (and dy, dx) are 16-byte aligned; 64-bit indexing.
-void relu_scale_forward_cuda(const void* x, void* y, int64_t n, double alpha, DType dtype,
-                             cudaStream_t stream);
-void relu_scale_backward_cuda(const void* dy, const void* x, void* dx, int64_t n, double alpha,
-                              DType dtype, cudaStream_t stream);
+void relu_scale_forward_cuda(const void* x, void* y, uint32_t* mask, int64_t n, double alpha,
+                             DType dtype, cudaStream_t stream);
+void relu_scale_backward_cuda(const void* dy, const uint32_t* mask, void* dx, int64_t n,
+                              double alpha, DType dtype, cudaStream_t stream);
 
 }  // namespace fusedlayers

@@ -2,7 +2,8 @@
 dtype and pass, with the device's own ceilings measured in the same run.
 
 Memory-bound ops (relu_scale, layer_norm) report GB/s over the fewest bytes the op must move
-(each input read once, each output written once) and the percentage of the measured copy
+(each input read once, each output written once; for the backward, what it must keep from the
+forward: layer_norm's input, relu_scale's sign bits) and the percentage of the measured copy
 bandwidth (bytes read + written by a large tensor copy); their forward also gets a "copy" row, a
 copy of the input moving the same bytes, which is the floor at that size (a small op pays launch
 and tail costs that the large copy amortizes). linear_gelu reports TFLOP/s over
@@ -176,8 +177,11 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
                         rate, unit = flops / ms / 1e9, "TFLOP/s"
                         peak = ceilings[f"gemm_tflops_{dtype_name}"]
                     else:
-                        # fwd: read x, write y; bwd adds read dy, x, write dx.
-                        nbytes = work * (2 if pass_ == "fwd" else 5)
+                        # fwd: read x, write y; bwd adds read dy, write dx, and reads x again
+                        # (layer_norm) or writes and reads 1 bit per element (relu_scale).
+                        saved = 2 * work / (8 * inputs[0].element_size()) \
+                            if op == "relu_scale" else work
+                        nbytes = 2 * work if pass_ == "fwd" else 4 * work + saved
                         rate, unit, peak = nbytes / ms / 1e6, "GB/s", ceilings["copy_gbs"]
                     rows.append(Row(op, shape, dtype_name, pass_, impl, ms, rate, unit,
                                     100 * rate / peak))

@@ -166,14 +166,35 @@ def test_relu_scale_bitwise_with_torch(dtype):
         assert torch.equal(g, g2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("n", [1, 31, 33, 4099, 1 << 20, (1 << 20) + 45])
+def test_relu_scale_mask_matches_cpu(dtype, n):
+    """The saved bitmask (csrc/relu_scale.h layout) equals the CPU kernel's, aligned and not."""
+    x = torch.randn(n + 1, dtype=dtype)
+    x[torch.randint(0, n + 1, (n // 7,))] = float("nan")
+    x[torch.randint(0, n + 1, (n // 7,))] = 0.0
+    xd = x.cuda()
+    for sl in (slice(0, n), slice(1, n + 1)):  # 16-byte aligned, then misaligned on the device
+        y, mask = torch.ops.fusedlayers.relu_scale_with_mask(xd[sl], 0.5)
+        y_cpu, mask_cpu = torch.ops.fusedlayers.relu_scale_with_mask(x[sl], 0.5)
+        assert torch.equal(mask.cpu(), mask_cpu)
+        assert torch.equal(y.cpu().nan_to_num(), y_cpu.nan_to_num())
+        dy = torch.randn(n, dtype=dtype)
+        dx = torch.ops.fusedlayers.relu_scale_backward(dy.cuda(), mask, 0.5)
+        assert torch.equal(dx.cpu(), torch.ops.fusedlayers.relu_scale_backward(dy, mask_cpu, 0.5))
+
+
 def test_relu_scale_beyond_int32_elements():
     n = 2**31 + 17
     x = torch.empty(n, device="cuda", dtype=torch.bfloat16)
     x.normal_()
+    x.requires_grad_()
     y = fl.relu_scale(x, -1.5)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))  # through the mask: 64-bit word index
     for start in (0, n - 2**20, 2**31 - 5):  # chunks, incl. the tail past 2^31
         sl = slice(start, start + 2**20)
         assert torch.equal(y[sl], torch.relu(x[sl]) * -1.5)
+        assert torch.equal(dx[sl], torch.where(x[sl] > 0, -1.5, 0.0).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,6 +3,7 @@ torch.relu(x) * alpha (fusedlayers.reference.relu_scale), for every dtype and la
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,8 +116,51 @@ def test_opcheck(dtype):
     x = torch.randn(8, 5, dtype=dtype, requires_grad=True)
     torch.library.opcheck(torch.ops.fusedlayers.relu_scale.default, (x, 1.5))
     torch.library.opcheck(torch.ops.fusedlayers.relu_scale.default, (x.detach().t(), -0.5))
+    torch.library.opcheck(torch.ops.fusedlayers.relu_scale_with_mask.default, (x.detach(), 1.5))
+    _, mask = torch.ops.fusedlayers.relu_scale_with_mask(x.detach(), 1.5)
     g = torch.randn(8, 5, dtype=dtype)
-    torch.library.opcheck(torch.ops.fusedlayers.relu_scale_backward.default,
-                          (g, x.detach(), 1.5))
-    torch.library.opcheck(torch.ops.fusedlayers.relu_scale_backward.default,
-                          (g.t(), x.detach().t(), 0.5))
+    torch.library.opcheck(torch.ops.fusedlayers.relu_scale_backward.default, (g, mask, 1.5))
+    torch.library.opcheck(torch.ops.fusedlayers.relu_scale_backward.default, (g.t(), mask, 0.5))
+
+
+def packed_mask(x: torch.Tensor) -> torch.Tensor:
+    """csrc/relu_scale.h's layout, from numpy: bits of (x > 0 or NaN), little-endian, zero-padded
+    to whole 32-bit words."""
+    keep = ~(x.detach().reshape(-1).double() <= 0)
+    packed = np.packbits(keep.numpy(), bitorder="little")
+    words = np.zeros(4 * ((x.numel() + 31) // 32), dtype=np.uint8)
+    words[:packed.size] = packed
+    return torch.from_numpy(words.view(np.int32))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("n", (0, 1, 31, 32, 33, 1000, 70001))
+def test_mask_layout(dtype, n):
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    x[torch.randint(0, max(n, 1), (n // 10,))] = torch.tensor(
+        [math.nan, -0.0, 0.0, math.inf, -math.inf], dtype=dtype)[torch.randint(0, 5, (1,))]
+    y, mask = torch.ops.fusedlayers.relu_scale_with_mask(x, 1.5)
+    assert mask.dtype == torch.int32 and mask.shape == ((n + 31) // 32,)
+    assert torch.equal(mask, packed_mask(x))
+    assert_bitwise(y, fusedlayers.relu_scale(x, 1.5))
+
+
+def test_autograd_saves_only_the_mask():
+    x = torch.randn(4, 1001, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = fusedlayers.relu_scale(x, 2.0)
+    assert [(t.dtype, t.shape) for t in saved] == [(torch.int32, ((x.numel() + 31) // 32,))]
+    assert torch.equal(saved[0], packed_mask(x))
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert_bitwise(dx, (x > 0).float() * 2.0)
+
+
+def test_backward_rejects_a_wrong_mask():
+    g = torch.randn(5, 40)
+    mask = torch.ops.fusedlayers.relu_scale_with_mask(torch.randn(5, 40), 1.0)[1]
+    with pytest.raises(ValueError, match=r"mask must be int32 of shape \[7\] for grad_out of 200 "
+                                         r"elements, got Int of shape \[6\]"):
+        torch.ops.fusedlayers.relu_scale_backward(g, mask[:6], 1.0)
+    with pytest.raises(ValueError, match=r"got Long of shape \[7\]"):
+        torch.ops.fusedlayers.relu_scale_backward(g, mask.long(), 1.0)

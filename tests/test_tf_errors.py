@@ -250,8 +250,9 @@ def test_raw_layer_norm_nan_eps(data):
 def test_raw_relu_scale_alpha_and_grad_shape(data):
     with pytest.raises(IAE, match=r"alpha must be finite, got nan"):
         ops._lib.fusedlayers_relu_scale(data["x"], alpha=math.nan)
-    with pytest.raises(IAE, match=r"dy must have x's shape \[3,7\], got \[3,6\]"):
-        ops._lib.fusedlayers_relu_scale_grad(tf.ones([3, 6]), data["x"], alpha=1.0)
+    _, mask = ops._lib.fusedlayers_relu_scale(data["x"], alpha=1.0)
+    with pytest.raises(IAE, match=r"mask must have shape \[2\] for dy of 40 elements, got \[1\]"):
+        ops._lib.fusedlayers_relu_scale_grad(tf.ones([5, 8]), mask, alpha=1.0)
 
 
 def test_raw_bias_gelu_bias_shape_and_grad_shape(data):

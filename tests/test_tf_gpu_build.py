@@ -57,8 +57,9 @@ for op in {OPS!r}:
                                       for t in c.allowed_values.list.type)
         for k in kernels.get_registered_kernels_for_op(op).kernel)
 with tf.device("/CPU:0"):
-    y = lib.fusedlayers_relu_scale(tf.constant([-1.0, 2.0, float("nan")]), alpha=3.0)
-print(json.dumps({{"kernels": found, "y": [str(v) for v in y.numpy().tolist()]}}))
+    y, mask = lib.fusedlayers_relu_scale(tf.constant([-1.0, 2.0, float("nan")]), alpha=3.0)
+print(json.dumps({{"kernels": found, "y": [str(v) for v in y.numpy().tolist()],
+                  "mask": mask.numpy().tolist()}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
@@ -66,4 +67,4 @@ print(json.dumps({{"kernels": found, "y": [str(v) for v in y.numpy().tolist()]}}
     result = json.loads(done.stdout.strip().splitlines()[-1])
     want = ["CPU:", "GPU:bfloat16", "GPU:float16", "GPU:float32"]
     assert result["kernels"] == {op: want for op in OPS}
-    assert result["y"] == ["0.0", "6.0", "nan"]
+    assert result["y"] == ["0.0", "6.0", "nan"] and result["mask"] == [0b110]

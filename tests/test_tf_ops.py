@@ -114,6 +114,27 @@ def test_relu_scale_forward_backward(rng, dtype, shape):
                       dtype=dtype, numel=n, rng=rng, floor=floor(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", (0, 31, 33, 4097))
+def test_relu_scale_mask_output(rng, dtype, n):
+    """The op's second output, saved for the gradient: the packed bits of (x > 0 or NaN) in
+    csrc/relu_scale.h's layout, with its length known to shape inference."""
+    from fusedlayers.tensorflow.ops import _lib
+    vals = rng.normal(n)
+    vals[: n // 3] = rng.gen.choice([np.nan, 0.0, -0.0, -np.inf], n // 3)
+    x, _ = const(vals, dtype)
+    want = np.zeros(4 * ((n + 31) // 32), np.uint8)
+    packed = np.packbits(~(vals <= 0), bitorder="little")
+    want[:packed.size] = packed
+    _, mask = _lib.fusedlayers_relu_scale(x, alpha=1.0)
+    assert mask.dtype == tf.uint32
+    np.testing.assert_array_equal(mask.numpy().view(np.uint8), want, err_msg=str(rng))
+    mask_fn = tf.function(lambda t: _lib.fusedlayers_relu_scale(t, alpha=1.0)[1])
+    for spec, words in (([n], (n + 31) // 32), ([None, 3], None)):
+        shape = mask_fn.get_concrete_function(tf.TensorSpec(spec, x.dtype)).output_shapes
+        assert shape.as_list() == [words]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_relu_scale_nonfinite_forward_matches_tf(rng, dtype):
     """NaN stays NaN, +inf -> +inf * alpha, -inf -> 0, exactly as relu(x) * alpha. (The sign of

@@ -10,23 +10,35 @@ namespace {
 
 using ::tensorflow::OpKernel;
 using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::TensorShape;
+using ::tensorflow::shape_inference::InferenceContext;
 
+// mask: the packed bits where x is not <= 0, kept for the gradient instead of x (layout in
+// csrc/relu_scale.h). uint32, not int32: TF keeps int32 tensors of GPU kernels in host memory.
 REGISTER_OP("FusedlayersReluScale")
     .Input("x: T")
     .Output("y: T")
+    .Output("mask: uint32")
     .Attr("alpha: float")
     .Attr("T: {float, double, half, bfloat16}")
-    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
-    .Doc("y = max(x, 0) * alpha (NaN propagates).");
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      const int64_t n = c->Value(c->NumElements(c->input(0)));
+      c->set_output(1, c->Vector(n == InferenceContext::kUnknownDim
+                                     ? InferenceContext::kUnknownDim
+                                     : relu_scale_mask_words(n)));
+      return absl::OkStatus();
+    })
+    .Doc("y = max(x, 0) * alpha (NaN propagates); mask = packed bits of x > 0 or NaN.");
 
 REGISTER_OP("FusedlayersReluScaleGrad")
     .Input("dy: T")
-    .Input("x: T")
+    .Input("mask: uint32")
     .Output("dx: T")
     .Attr("alpha: float")
     .Attr("T: {float, double, half, bfloat16}")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
-    .Doc("dx = dy * alpha where x is not <= 0, else 0.");
+    .Doc("dx = dy * alpha where mask is set, else 0.");
 
 template <bool kGpu>
 class ReluScaleOp : public OpKernel {
@@ -41,13 +53,17 @@ class ReluScaleOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
     Tensor* y = nullptr;
+    Tensor* mask = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, TensorShape({relu_scale_mask_words(x.NumElements())}), &mask));
+    uint32_t* mask_ptr = mask->flat<uint32_t>().data();
     call_csrc(ctx, [&] {
       if constexpr (kGpu)
-        relu_scale_forward_cuda(ptr(x), mutable_ptr(y), x.NumElements(), alpha_,
+        relu_scale_forward_cuda(ptr(x), mutable_ptr(y), mask_ptr, x.NumElements(), alpha_,
                                 to_dtype(x.dtype()), gpu_stream(ctx));
       else
-        relu_scale_forward_cpu(ptr(x), mutable_ptr(y), x.NumElements(), alpha_,
+        relu_scale_forward_cpu(ptr(x), mutable_ptr(y), mask_ptr, x.NumElements(), alpha_,
                                to_dtype(x.dtype()), tf_parallel_for(ctx));
     });
   }
@@ -65,20 +81,23 @@ class ReluScaleGradOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
-    const Tensor& x = ctx->input(1);
-    OP_REQUIRES(ctx, dy.shape() == x.shape(),
-                absl::InvalidArgumentError("fusedlayers.relu_scale_grad: dy must have x's shape " +
-                                           shape_str(x.shape()) + ", got " +
-                                           shape_str(dy.shape())));
+    const Tensor& mask = ctx->input(1);
+    const TensorShape mask_shape({relu_scale_mask_words(dy.NumElements())});
+    OP_REQUIRES(ctx, mask.shape() == mask_shape,
+                absl::InvalidArgumentError(
+                    "fusedlayers.relu_scale_grad: mask must have shape " + shape_str(mask_shape) +
+                    " for dy of " + std::to_string(dy.NumElements()) + " elements, got " +
+                    shape_str(mask.shape())));
     Tensor* dx = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, dy.shape(), &dx));
+    const uint32_t* mask_ptr = mask.flat<uint32_t>().data();
     call_csrc(ctx, [&] {
       if constexpr (kGpu)
-        relu_scale_backward_cuda(ptr(dy), ptr(x), mutable_ptr(dx), x.NumElements(), alpha_,
-                                 to_dtype(x.dtype()), gpu_stream(ctx));
+        relu_scale_backward_cuda(ptr(dy), mask_ptr, mutable_ptr(dx), dy.NumElements(), alpha_,
+                                 to_dtype(dy.dtype()), gpu_stream(ctx));
       else
-        relu_scale_backward_cpu(ptr(dy), ptr(x), mutable_ptr(dx), x.NumElements(), alpha_,
-                                to_dtype(x.dtype()), tf_parallel_for(ctx));
+        relu_scale_backward_cpu(ptr(dy), mask_ptr, mutable_ptr(dx), dy.NumElements(), alpha_,
+                                to_dtype(dy.dtype()), tf_parallel_for(ctx));
     });
   }
 

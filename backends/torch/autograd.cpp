@@ -23,21 +23,24 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
       .typed<Signature>();
 }
 
+// Saves the packed sign mask, not x: 1 bit per element for the backward (csrc/relu_scale.h).
 class ReluScale : public torch::autograd::Function<ReluScale> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, double alpha) {
-    static const auto fwd = op<at::Tensor(const at::Tensor&, double)>("relu_scale");
+    static const auto fwd = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double)>(
+        "relu_scale_with_mask");
     at::AutoDispatchBelowADInplaceOrView below;
-    ctx->save_for_backward({x});
+    auto [y, mask] = fwd.call(x, alpha);
+    ctx->save_for_backward({mask});
     ctx->saved_data["alpha"] = alpha;
-    return fwd.call(x, alpha);
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd =
         op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("relu_scale_backward");
-    const auto x = ctx->get_saved_variables()[0];
-    return {bwd.call(grads[0], x, ctx->saved_data["alpha"].toDouble()), at::Tensor()};
+    const auto mask = ctx->get_saved_variables()[0];
+    return {bwd.call(grads[0], mask, ctx->saved_data["alpha"].toDouble()), at::Tensor()};
   }
 };
 
@@ -128,7 +131,10 @@ class LinearGelu : public torch::autograd::Function<LinearGelu> {
 };
 
 at::Tensor relu_scale_autograd(const at::Tensor& x, double alpha) {
-  return ReluScale::apply(x, alpha);
+  if (at::GradMode::is_enabled() && x.requires_grad()) return ReluScale::apply(x, alpha);
+  static const auto fwd = op<at::Tensor(const at::Tensor&, double)>("relu_scale");
+  at::AutoDispatchBelowADInplaceOrView below;  // no backward: no mask to write
+  return fwd.call(x, alpha);
 }
 
 Tensor3 layer_norm_autograd(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,

@@ -5,7 +5,9 @@
 
 TORCH_LIBRARY(fusedlayers, m) {
   m.def("relu_scale(Tensor x, float alpha) -> Tensor");
-  m.def("relu_scale_backward(Tensor grad_out, Tensor x, float alpha) -> Tensor");
+  // mask: int32 words of packed bits, where x is not <= 0 (layout in csrc/relu_scale.h).
+  m.def("relu_scale_with_mask(Tensor x, float alpha) -> (Tensor out, Tensor mask)");
+  m.def("relu_scale_backward(Tensor grad_out, Tensor mask, float alpha) -> Tensor");
   // mean/rstd have the leading (unnormalized) shape of input; memory_efficient only tells
   // autograd to save the output instead of the input; subtract_mean=False is Keras'
   // rms_scaling (y = x * rstd * weight, see csrc/layer_norm.h).

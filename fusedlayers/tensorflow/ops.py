@@ -59,7 +59,7 @@ def relu_scale(x, alpha: float) -> tf.Tensor:
     (x,) = _prepare("relu_scale", x=x)
     if not math.isfinite(alpha):
         raise _invalid(f"fusedlayers.relu_scale: alpha must be finite, got {alpha}")
-    return _lib.fusedlayers_relu_scale(x, alpha=float(alpha))
+    return _lib.fusedlayers_relu_scale(x, alpha=float(alpha))[0]  # [1]: the mask for the gradient
 
 
 def dense_gelu(x, kernel, bias=None, approximate: str = "none") -> tf.Tensor:
@@ -140,8 +140,8 @@ def layer_norm_trailing(x, norm_ndims: int, gamma=None, beta=None, eps: float = 
 
 
 def _register_gradients() -> None:
-    def relu_scale_grad(op, dy):
-        return _lib.fusedlayers_relu_scale_grad(dy, op.inputs[0], alpha=op.get_attr("alpha"))
+    def relu_scale_grad(op, dy, _dmask):  # the mask is not differentiable
+        return _lib.fusedlayers_relu_scale_grad(dy, op.outputs[1], alpha=op.get_attr("alpha"))
 
     def layer_norm_grad(op, dy, _dmean, _drstd):  # mean and rstd are not differentiable
         x, gamma, beta = op.inputs

@@ -45,6 +45,7 @@ def relu_scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
 
     x: any shape and layout, float32/float64/float16/bfloat16. Returns a contiguous tensor of
     x's shape and dtype. Raises TypeError for other dtypes, ValueError for a non-finite alpha.
+    When x requires grad, autograd saves a bitmask of where x > 0 (1 bit per element), not x.
     """
     _require()
     return torch.ops.fusedlayers.relu_scale(x, float(alpha))
@@ -114,10 +115,14 @@ def _register() -> None:
     def _(x, alpha):
         return x.new_empty(x.shape)
 
+    @fake(lib + "relu_scale_with_mask")
+    def _(x, alpha):
+        return x.new_empty(x.shape), x.new_empty(((x.numel() + 31) // 32,), dtype=torch.int32)
+
     @fake(lib + "relu_scale_backward")
-    def _(grad_out, x, alpha):
-        _check_devices("relu_scale_backward", "x", x, grad_out=grad_out)
-        return x.new_empty(x.shape)
+    def _(grad_out, mask, alpha):
+        _check_devices("relu_scale_backward", "grad_out", grad_out, mask=mask)
+        return grad_out.new_empty(grad_out.shape)
 
     @fake(lib + "layer_norm")
     def _(x, normalized_shape, weight, bias, eps, memory_efficient=False, subtract_mean=True):
