@@ -1,5 +1,10 @@
 // CPU ReLU*scale: one pass, element-wise, parallel over blocks of whole mask words; branch-free
 // selects so the loops vectorize.
+// Without trapping math GCC if-converts `mask bit ? dy * alpha : 0` and vectorizes it (the
+// multiply then runs for masked lanes too, which only matters to FP exception flags, never
+// read here): the backward went from 4.1 to ~0.4 ms for 1M float32 elements on one core.
+#pragma GCC optimize("no-trapping-math")
+
 #include "relu_scale.h"
 
 #include <algorithm>
@@ -9,7 +14,34 @@
 namespace fusedlayers {
 namespace {
 constexpr int64_t kGrainWords = 1024;  // 32K elements per task
+
+// 1 << j for each bit of a mask word, as a table: loops over a whole word then vectorize with
+// plain loads, ands and compares (SSE2 has no per-lane variable shift).
+struct WordBits {
+  uint32_t bit[32];
+  constexpr WordBits() : bit() {
+    for (int j = 0; j < 32; ++j) bit[j] = 1u << j;
+  }
+};
+constexpr WordBits kWordBits{};
+
+// The mask word of elements x[0 .. e), e <= 32 (a whole word when e == 32).
+template <typename T, typename A, int64_t E>
+inline uint32_t mask_word(const T* x, int64_t e) {
+  uint32_t word = 0;
+  for (int64_t j = 0; j < (E ? E : e); ++j)
+    word |= cpu::to_acc(x[j]) <= A(0) ? 0u : kWordBits.bit[j];  // NaN sets its bit
+  return word;
 }
+
+template <typename T, typename A, int64_t E>
+inline void backward_word(const T* dy, uint32_t word, T* dx, A alpha, int64_t e) {
+  for (int64_t j = 0; j < (E ? E : e); ++j) {
+    const A g = cpu::to_acc(dy[j]) * alpha;
+    dx[j] = cpu::from_acc<T>(word & kWordBits.bit[j] ? g : A(0));
+  }
+}
+}  // namespace
 
 void relu_scale_forward_cpu(const void* x, void* y, uint32_t* mask, int64_t n, double alpha,
                             DType dtype, const ParallelFor& parallel_for) {
@@ -26,10 +58,8 @@ void relu_scale_forward_cpu(const void* x, void* y, uint32_t* mask, int64_t n, d
       if (mask) {  // before y: y may alias x
         for (int64_t w = w_begin; w < w_end; ++w) {
           const int64_t e = std::min<int64_t>(32, n - w * 32);
-          uint32_t word = 0;
-          for (int64_t j = 0; j < e; ++j)
-            word |= uint32_t(!(cpu::to_acc(xp[w * 32 + j]) <= A(0))) << j;
-          mask[w] = word;
+          mask[w] = e == 32 ? mask_word<T, A, 32>(xp + w * 32, e)
+                            : mask_word<T, A, 0>(xp + w * 32, e);
         }
       }
       for (int64_t i = w_begin * 32; i < end; ++i) {
@@ -53,12 +83,11 @@ void relu_scale_backward_cpu(const void* dy, const uint32_t* mask, void* dx, int
     const A a = static_cast<A>(alpha);
     parallel_for(relu_scale_mask_words(n), kGrainWords, [&](int64_t w_begin, int64_t w_end) {
       for (int64_t w = w_begin; w < w_end; ++w) {
-        const uint32_t word = mask[w];
         const int64_t e = std::min<int64_t>(32, n - w * 32);
-        for (int64_t j = 0; j < e; ++j) {
-          const A g = cpu::to_acc(dyp[w * 32 + j]) * a;
-          dxp[w * 32 + j] = cpu::from_acc<T>((word >> j) & 1u ? g : A(0));
-        }
+        if (e == 32)
+          backward_word<T, A, 32>(dyp + w * 32, mask[w], dxp + w * 32, a, e);
+        else
+          backward_word<T, A, 0>(dyp + w * 32, mask[w], dxp + w * 32, a, e);
       }
     });
   });
