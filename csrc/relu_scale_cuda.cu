@@ -22,7 +22,7 @@ __device__ __forceinline__ T forward_one(T x, A alpha) {
 // The mask bit: x is not <= 0 (true for NaN).
 template <typename T>
 __device__ __forceinline__ uint32_t passes(T x) {
-  return !(to_acc(x) <= decltype(to_acc(x))(0));
+  return !(to_acc(x) <= typename Acc<T>::type(0));
 }
 
 template <typename T, typename A>

@@ -14,8 +14,11 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, double alpha, bo
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);
   at::Tensor mask;
-  if (save_mask) mask = at::empty({relu_scale_mask_words(xc.numel())}, xc.options().dtype(at::kInt));
-  uint32_t* mask_ptr = save_mask ? reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>()) : nullptr;
+  uint32_t* mask_ptr = nullptr;
+  if (save_mask) {
+    mask = at::empty({relu_scale_mask_words(xc.numel())}, xc.options().dtype(at::kInt));
+    mask_ptr = reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
+  }
   const DType dtype = to_dtype(xc.scalar_type());
 #ifdef FUSEDLAYERS_WITH_CUDA
   if (xc.is_cuda()) {
