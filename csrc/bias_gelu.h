@@ -33,7 +33,8 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
                             DType dtype, const ParallelFor& parallel_for);
 
 // CUDA: the same contract on device pointers, launched on `stream` of the current device, for
-// float32/float16/bfloat16. 16-byte vectors when cols and the pointers allow it.
+// float32/float16/bfloat16. 16-byte vectors when cols and the pointers allow it. The forward's
+// pre may also be nullptr (not written), and then y may alias h: y = gelu(h + bias) in place.
 void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y, int64_t rows,
                             int64_t cols, GeluApprox approx, DType dtype, cudaStream_t stream);
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedlayers
+import fusedlayers.torch  # noqa: F401  (loads the extension into torch.ops)
 from fusedlayers import reference
 from _helpers import as_layout, assert_bitwise, assert_calibrated, f64, grads, leaf_shape, rel_err
 
@@ -262,18 +263,53 @@ def _t(*shape, dtype=torch.float32):
     pytest.param(lambda: (_t(4, 7, dtype=torch.bfloat16), _t(5, 7, dtype=torch.bfloat16),
                           _t(5, dtype=torch.bfloat16), "none"), id="bf16"),
 ])
-def test_opcheck(args):
-    args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a
+@pytest.mark.parametrize("op", ("linear_gelu", "linear_gelu_with_pre"))
+def test_opcheck(args, op):
+    # linear_gelu_with_pre is the forward that autograd runs below itself: no grad of its own.
+    differentiable = op == "linear_gelu"
+    args = tuple(a.detach().requires_grad_(differentiable) if isinstance(a, torch.Tensor) else a
                  for a in args())
-    torch.library.opcheck(torch.ops.fusedlayers.linear_gelu.default, args)
+    torch.library.opcheck(getattr(torch.ops.fusedlayers, op).default, args)
 
 
+@pytest.mark.parametrize("in_out", (False, True), ids=("weight-out-in", "weight-in-out"))
 @pytest.mark.parametrize("has_bias", (True, False))
-def test_opcheck_backward(has_bias):
-    x, w = torch.randn(2, 4, 7), torch.randn(5, 7)
-    _, pre = torch.ops.fusedlayers.linear_gelu(x, w, torch.randn(5) if has_bias else None, "tanh")
+def test_opcheck_backward(has_bias, in_out):
+    x = torch.randn(2, 4, 7)
+    w = torch.randn(7, 5).t() if in_out else torch.randn(5, 7)
+    _, pre = torch.ops.fusedlayers.linear_gelu_with_pre(x, w, torch.randn(5) if has_bias else None,
+                                                        "tanh")
     torch.library.opcheck(torch.ops.fusedlayers.linear_gelu_backward.default,
                           (torch.randn(2, 4, 5), x, w, pre, has_bias, "tanh"))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16))
+@pytest.mark.parametrize("approximate", APPROX)
+def test_in_out_weight_read_in_place_and_grad_in_its_layout(dtype, approximate):
+    """A weight stored (in, out), as GPT-2's Conv1D keeps it, passed as `w.t()`: the results of
+    the (out, in) copy up to the GEMM's rounding (the two layouts take different GEMM kernels),
+    and its gradient reaches the (in, out) parameter contiguous, without a copy by autograd (the
+    binding writes it in that layout)."""
+    tol = 4 * torch.finfo(dtype).eps
+    w_in_out = torch.randn(13, 6, dtype=dtype, requires_grad=True)
+    w_out_in = w_in_out.detach().t().contiguous().requires_grad_()
+    x = torch.randn(3, 5, 13, dtype=dtype, requires_grad=True)
+    b = torch.randn(6, dtype=dtype, requires_grad=True)
+    y = fusedlayers.linear_gelu(x, w_in_out.t(), b, approximate)
+    y_ref = fusedlayers.linear_gelu(x, w_out_in, b, approximate)
+    assert rel_err(y, y_ref) <= tol
+    g = torch.randn_like(y)
+    dx, dw_in_out, db = torch.autograd.grad(y, (x, w_in_out, b), g)
+    dx_ref, dw_ref, db_ref = torch.autograd.grad(y_ref, (x, w_out_in, b), g)
+    for got, want in ((dx, dx_ref), (dw_in_out, dw_ref.t()), (db, db_ref)):
+        assert rel_err(got, want) <= tol
+    assert dw_in_out.is_contiguous()
+    # The op's own grad_weight is the (in, out) storage seen as (out, in): no copy to make.
+    _, pre = torch.ops.fusedlayers.linear_gelu_with_pre(x.detach(), w_in_out.detach().t(), b,
+                                                        approximate)
+    _, dw, _ = torch.ops.fusedlayers.linear_gelu_backward(g, x.detach(), w_in_out.detach().t(),
+                                                          pre, True, approximate)
+    assert dw.shape == (6, 13) and dw.t().is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))

@@ -206,6 +206,52 @@ def test_autocast_layer_norm_dtype_matches_f_layer_norm(x_dtype, affine):
     assert rel_err(y, y_ref) <= 1e-2
 
 
+@pytest.mark.parametrize("module", ("linear_gelu", "layer_norm", "relu_scale"))
+def test_autocast_keeps_float64(module):
+    """Autocast casts only float32/16-bit tensors, as for the native ops: float64 stays."""
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    fused, unfused = {
+        "linear_gelu": lambda: (FusedLinearGELU(16, 8, dtype=torch.float64),
+                                lambda m, x: F.gelu(F.linear(x, m.weight, m.bias))),
+        "layer_norm": lambda: (LayerNorm(16, dtype=torch.float64),
+                               lambda m, x: F.layer_norm(x, (16,), m.weight, m.bias)),
+        "relu_scale": lambda: (FusedReLUScale(1.0), lambda m, x: torch.relu(x)),
+    }[module]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = fused(x), unfused(fused, x)
+    assert y.dtype == y_ref.dtype == torch.float64
+    assert rel_err(y, y_ref) <= 1e-12
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that run below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ("no_grad", "no_requires_grad", "grad"))
+def test_forward_writes_what_the_backward_needs_only(case):
+    """Without a backward to feed, linear_gelu writes no pre-activation and relu_scale no
+    mask; with one, they do."""
+    fused, relu = FusedLinearGELU(16, 8), FusedReLUScale(2.0)
+    x = torch.randn(4, 16, requires_grad=case != "no_requires_grad")
+    if case == "no_requires_grad":
+        fused.requires_grad_(False)
+    log = _OpLog()
+    with log, torch.set_grad_enabled(case != "no_grad"):
+        relu(fused(x))
+    saved = case == "grad"
+    assert ("fusedlayers.linear_gelu_with_pre" in log.ops) == saved, log.ops
+    assert ("fusedlayers.linear_gelu" in log.ops) != saved, log.ops
+    assert ("fusedlayers.relu_scale_with_mask" in log.ops) == saved, log.ops
+
+
 def test_autocast_relu_scale_keeps_dtype():
     x = torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -93,64 +93,79 @@ class LayerNorm : public torch::autograd::Function<LayerNorm> {
   }
 };
 
+// Saves the pre-activation, written by linear_gelu_with_pre, for the GELU gradient.
 class LinearGelu : public torch::autograd::Function<LinearGelu> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
-                               const at::Tensor& weight, const OptTensor& bias,
-                               c10::string_view approximate) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& weight, const OptTensor& bias,
+                            c10::string_view approximate) {
     static const auto fwd =
         op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                              const OptTensor&, c10::string_view)>("linear_gelu");
+                                              const OptTensor&, c10::string_view)>(
+            "linear_gelu_with_pre");
     at::AutoDispatchBelowADInplaceOrView below;
     // The GEMMs need a contiguous input: made once here and saved, not again for wgrad.
     const at::Tensor x = input.contiguous();
     auto [y, pre] = fwd.call(x, weight, bias, approximate);
-    ctx->mark_non_differentiable({pre});
-    ctx->set_materialize_grads(false);  // no zero-filled gradient for the unused pre output
     ctx->save_for_backward({x, weight, pre});
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["approximate"] = std::string(approximate);
-    return {y, pre};
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd =
         op<Tensor3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    bool, c10::string_view)>("linear_gelu_backward");
-    variable_list none(4);
-    if (!grads[0].defined()) return none;  // only pre was used, and it is not differentiable
     const auto saved = ctx->get_saved_variables();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     auto [dx, dw, db] = bwd.call(grads[0], saved[0], saved[1], saved[2], has_bias,
                                  ctx->saved_data["approximate"].toStringRef());
-    none[0] = dx;
-    none[1] = dw;
-    if (has_bias) none[2] = db;
-    return none;
+    return {dx, dw, has_bias ? db : at::Tensor(), at::Tensor()};
   }
 };
 
+// Whether autograd will need a backward for an op on these inputs.
+bool needs_grad(std::initializer_list<const at::Tensor*> inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : inputs)
+    if (t && t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+// Without a backward to feed, each op runs its plain forward: no mask, pre-activation or saved
+// tensors are written, and no autograd node is made.
 at::Tensor relu_scale_autograd(const at::Tensor& x, double alpha) {
-  if (at::GradMode::is_enabled() && x.requires_grad()) return ReluScale::apply(x, alpha);
+  if (needs_grad({&x})) return ReluScale::apply(x, alpha);
   static const auto fwd = op<at::Tensor(const at::Tensor&, double)>("relu_scale");
-  at::AutoDispatchBelowADInplaceOrView below;  // no backward: no mask to write
+  at::AutoDispatchBelowADInplaceOrView below;
   return fwd.call(x, alpha);
 }
 
 Tensor3 layer_norm_autograd(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                             const OptTensor& weight, const OptTensor& bias, double eps,
                             bool memory_efficient, bool subtract_mean) {
+  if (!needs_grad({&input, weight ? &*weight : nullptr, bias ? &*bias : nullptr})) {
+    static const auto fwd =
+        op<Tensor3(const at::Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&,
+                   double, bool, bool)>("layer_norm");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fwd.call(input, normalized_shape, weight, bias, eps, memory_efficient, subtract_mean);
+  }
   auto out = LayerNorm::apply(input, normalized_shape, weight, bias, eps, memory_efficient,
                               subtract_mean);
   return {out[0], out[1], out[2]};
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_gelu_autograd(const at::Tensor& input,
-                                                        const at::Tensor& weight,
-                                                        const OptTensor& bias,
-                                                        c10::string_view approximate) {
-  auto out = LinearGelu::apply(input, weight, bias, approximate);
-  return {out[0], out[1]};
+at::Tensor linear_gelu_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                const OptTensor& bias, c10::string_view approximate) {
+  if (needs_grad({&input, &weight, bias ? &*bias : nullptr}))
+    return LinearGelu::apply(input, weight, bias, approximate);
+  static const auto fwd =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view)>(
+          "linear_gelu");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return fwd.call(input, weight, bias, approximate);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// PyTorch implementation of fusedlayers::linear_gelu{,_backward}.
+// PyTorch implementation of fusedlayers::linear_gelu{,_with_pre,_backward}.
 // CPU: the GEMMs are ATen's (at::mm); csrc adds the bias and applies GELU in one pass over the
 // GEMM's output (at::addmm would first fill the output with the broadcast bias, one more pass);
 // the backward's GELU gradient and dbias are one csrc pass, dgrad and wgrad are at::mm.
@@ -53,6 +53,27 @@ std::vector<int64_t> out_shape(const at::Tensor& input, int64_t out_features) {
   return shape;
 }
 
+// The weight as stored: (out, in) as nn.Linear keeps it, or its transpose contiguous, (in, out)
+// as GPT-2's Conv1D and Keras' Dense keep it (passed as `weight.t()`): both are read in place.
+// Any other layout is copied once.
+struct Weight {
+  at::Tensor t;
+  WeightLayout layout;
+};
+
+Weight weight_storage(const at::Tensor& weight) {
+  if (weight.is_contiguous()) return {weight, WeightLayout::kOutIn};
+  if (weight.t().is_contiguous()) return {weight, WeightLayout::kInOut};
+  return {weight.contiguous(), WeightLayout::kOutIn};
+}
+
+// grad_weight in the weight's layout, so autograd accumulates it into an (in, out) parameter
+// without a copy.
+at::Tensor empty_like_weight(const Weight& w) {
+  return w.layout == WeightLayout::kInOut ? at::empty({w.t.size(1), w.t.size(0)}, w.t.options()).t()
+                                          : at::empty(w.t.sizes(), w.t.options());
+}
+
 #ifdef FUSEDLAYERS_WITH_CUDA
 LtContext lt_context() {
   return {at::cuda::getCurrentCUDABlasLtHandle(), at::cuda::getCUDABlasLtWorkspace(),
@@ -60,39 +81,54 @@ LtContext lt_context() {
 }
 #endif
 
-std::tuple<at::Tensor, at::Tensor> linear_gelu_op(const at::Tensor& input,
-                                                  const at::Tensor& weight,
-                                                  const std::optional<at::Tensor>& bias,
-                                                  c10::string_view approximate) {
+// y, and pre when `with_pre` (the backward's input; else an undefined tensor, never written).
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias,
+                                           c10::string_view approximate, bool with_pre) {
   const GeluApprox approx = parse_approximate("linear_gelu", approximate);
   check_linear_args("linear_gelu", input, weight, bias ? &*bias : nullptr);
   const int64_t out_features = weight.size(0);
   const auto shape = out_shape(input, out_features);
+  const at::Tensor x2d = as_2d(input);
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
 #ifdef FUSEDLAYERS_WITH_CUDA
   if (input.is_cuda()) {
     const c10::cuda::CUDAGuard guard(input.device());
-    const at::Tensor x = as_2d(input).contiguous(), w = weight.contiguous();
-    const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-    at::Tensor pre = at::empty({x.size(0), out_features}, x.options());
-    at::Tensor y = at::empty_like(pre);
+    const at::Tensor x = x2d.contiguous();
+    const Weight w = weight_storage(weight);
+    at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+    at::Tensor pre = with_pre ? at::empty_like(y) : at::Tensor();
     call_csrc([&] {
-      linear_gelu_forward_cuda(x.data_ptr(), w.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
-                               pre.data_ptr(), y.data_ptr(), x.size(0), out_features, x.size(1),
-                               approx, to_dtype(x.scalar_type()), lt_context());
+      linear_gelu_forward_cuda(x.data_ptr(), w.t.data_ptr(), w.layout,
+                               b.defined() ? b.data_ptr() : nullptr,
+                               with_pre ? pre.data_ptr() : nullptr, y.data_ptr(), x.size(0),
+                               out_features, x.size(1), approx, to_dtype(x.scalar_type()),
+                               lt_context());
     });
-    return {y.view(shape), pre.view(shape)};
+    return {y.view(shape), with_pre ? pre.view(shape) : pre};
   }
 #endif
-  const at::Tensor x2d = as_2d(input);
   at::Tensor pre = at::mm(x2d, weight.t());
-  at::Tensor y = at::empty_like(pre);
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  // Without a backward to feed, y overwrites the GEMM's output in place.
+  at::Tensor y = with_pre ? at::empty_like(pre) : pre;
   call_csrc([&] {
     bias_gelu_forward_cpu(pre.data_ptr(), b.defined() ? b.data_ptr() : nullptr, pre.data_ptr(),
                           y.data_ptr(), pre.size(0), out_features, approx,
                           to_dtype(pre.scalar_type()), aten_parallel_for());
   });
-  return {y.view(shape), pre.view(shape)};
+  return {y.view(shape), with_pre ? pre.view(shape) : at::Tensor()};
+}
+
+at::Tensor linear_gelu_op(const at::Tensor& input, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, c10::string_view approximate) {
+  return std::get<0>(forward(input, weight, bias, approximate, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_gelu_with_pre_op(const at::Tensor& input,
+                                                           const at::Tensor& weight,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           c10::string_view approximate) {
+  return forward(input, weight, bias, approximate, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
@@ -112,20 +148,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
   const int64_t dpre_rows = c10::multiply_integers(input.sizes().slice(0, input.dim() - 1));
   const at::Tensor dy = grad_out.contiguous().view({dpre_rows, out_features});
   const at::Tensor p = pre.contiguous().view({dpre_rows, out_features});
+  const at::Tensor x = as_2d(input).contiguous();
+  const Weight w = weight_storage(weight);
   at::Tensor dbias = at::empty({has_bias ? out_features : 0}, p.options());
+  at::Tensor grad_weight = empty_like_weight(w);
   const DType dtype = to_dtype(p.scalar_type());
 #ifdef FUSEDLAYERS_WITH_CUDA
   if (p.is_cuda()) {
     check_same_device("linear_gelu_backward", "grad_out", grad_out, "input", input);
     const c10::cuda::CUDAGuard guard(p.device());
-    const at::Tensor x = as_2d(input).contiguous(), w = weight.contiguous();
     at::Tensor grad_input = at::empty(input.sizes(), x.options());
-    at::Tensor grad_weight = at::empty(weight.sizes(), w.options());
     call_csrc([&] {
       const at::Tensor ws = workspace(
           linear_gelu_backward_workspace_size_cuda(dpre_rows, out_features, dtype), p);
-      linear_gelu_backward_cuda(dy.data_ptr(), x.data_ptr(), w.data_ptr(), p.data_ptr(),
-                                grad_input.data_ptr(), grad_weight.data_ptr(),
+      linear_gelu_backward_cuda(dy.data_ptr(), x.data_ptr(), w.t.data_ptr(), w.layout,
+                                p.data_ptr(), grad_input.data_ptr(), grad_weight.data_ptr(),
                                 has_bias ? dbias.data_ptr() : nullptr, ws.data_ptr(), dpre_rows,
                                 out_features, weight.size(1), approx, dtype, lt_context());
     });
@@ -142,8 +179,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
                            ws.defined() ? ws.data_ptr() : nullptr, p.size(0), out_features,
                            approx, dtype, aten_parallel_for());
   });
-  at::Tensor grad_input = at::mm(dpre, weight).view(input.sizes());             // dgrad
-  at::Tensor grad_weight = at::mm(dpre.t(), as_2d(input));  // wgrad
+  at::Tensor grad_input = at::mm(dpre, w.t).view(input.sizes());  // dgrad
+  if (w.layout == WeightLayout::kInOut) {
+    at::Tensor storage = grad_weight.t();  // (in, out), contiguous
+    at::mm_out(storage, x.t(), dpre);       // wgrad, written in the weight's layout
+  } else {
+    at::mm_out(grad_weight, dpre.t(), x);  // wgrad
+  }
   return {grad_input, grad_weight, dbias};
 }
 
@@ -151,12 +193,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
 
 TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
   m.impl("linear_gelu", &linear_gelu_op);
+  m.impl("linear_gelu_with_pre", &linear_gelu_with_pre_op);
   m.impl("linear_gelu_backward", &linear_gelu_backward_op);
 }
 
 #ifdef FUSEDLAYERS_WITH_CUDA
 TORCH_LIBRARY_IMPL(fusedlayers, CUDA, m) {
   m.impl("linear_gelu", &linear_gelu_op);
+  m.impl("linear_gelu_with_pre", &linear_gelu_with_pre_op);
   m.impl("linear_gelu_backward", &linear_gelu_backward_op);
 }
 #endif

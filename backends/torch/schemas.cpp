@@ -21,9 +21,13 @@ TORCH_LIBRARY(fusedlayers, m) {
       "layer_norm_backward(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, "
       "SymInt[] normalized_shape, Tensor? weight, Tensor? bias, bool memory_efficient=False, "
       "bool subtract_mean=True) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
-  // pre is the pre-activation input @ weight^T + bias, kept for the backward.
+  // weight is (out_features, in_features), stored so or as the transpose of a contiguous
+  // (in_features, out_features) tensor (both read in place). linear_gelu_with_pre also returns
+  // the pre-activation input @ weight^T + bias, kept for the backward; grad_weight has weight's
+  // layout.
+  m.def("linear_gelu(Tensor input, Tensor weight, Tensor? bias, str approximate) -> Tensor");
   m.def(
-      "linear_gelu(Tensor input, Tensor weight, Tensor? bias, str approximate) "
+      "linear_gelu_with_pre(Tensor input, Tensor weight, Tensor? bias, str approximate) "
       "-> (Tensor out, Tensor pre)");
   m.def(
       "linear_gelu_backward(Tensor grad_out, Tensor input, Tensor weight, Tensor pre, "

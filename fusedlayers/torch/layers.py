@@ -1,5 +1,7 @@
 """torch.nn modules for the fused ops, drop-in for the unfused layers they replace: same
-constructor arguments, defaults, parameters, initialisation and state_dict keys."""
+constructor arguments, defaults, parameters, initialisation and state_dict keys. Each forward is
+one call of the operator (autograd and autocast are decided in C++), so a module costs no more
+host time than the op itself."""
 
 from collections.abc import Sequence
 
@@ -20,7 +22,7 @@ class FusedReLUScale(nn.Module):
         self.alpha = float(alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.relu_scale(x, self.alpha)
+        return ops.relu_scale_op(x, self.alpha)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}"
@@ -52,19 +54,58 @@ class FusedLinearGELU(nn.Module):
     reset_parameters = nn.Linear.reset_parameters  # identical initialisation to nn.Linear
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, approximate: str = "none") -> "FusedLinearGELU":
-        """A FusedLinearGELU sharing `linear`'s parameters (fuses `linear` + GELU)."""
-        fused = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+    def from_linear(cls, linear: nn.Module, approximate: str = "none") -> "FusedLinearGELU":
+        """A FusedLinearGELU sharing the Parameters of `linear` (an nn.Linear, or any module
+        with an (out_features, in_features) `weight` and a `bias` used as nn.Linear uses them):
+        fuses `linear` + GELU, copying nothing."""
+        out_features, in_features = linear.weight.shape
+        fused = cls(in_features, out_features, bias=linear.bias is not None,
                     approximate=approximate, device="meta")
         fused.weight, fused.bias = linear.weight, linear.bias
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_gelu(x, self.weight, self.bias, self.approximate)
+        return ops.linear_gelu_op(x, self.weight, self.bias, self.approximate)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, approximate={self.approximate!r}")
+
+
+class FusedConv1DGELU(nn.Module):
+    """gelu(x @ weight + bias) with the weight stored (in_features, out_features), as GPT-2's
+    `Conv1D` (transformers.pytorch_utils) keeps it; replaces `Conv1D(nf, nx)` + GELU with its
+    parameters, initialisation and state_dict keys: weight (nx, nf), bias (nf,). The weight is
+    read in place and its gradient written in the same layout: nothing is transposed or copied.
+
+    Input (..., nx) -> output (..., nf). approximate: 'none' (erf GELU) or 'tanh' (GPT-2's
+    `gelu_new`).
+    """
+
+    def __init__(self, nf: int, nx: int, approximate: str = "none", device=None, dtype=None):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"FusedConv1DGELU: approximate must be 'none' or 'tanh', "
+                             f"got {approximate!r}")
+        self.nf, self.nx, self.approximate = nf, nx, approximate
+        self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)  # as Conv1D
+
+    @classmethod
+    def from_conv1d(cls, conv1d: nn.Module, approximate: str = "none") -> "FusedConv1DGELU":
+        """A FusedConv1DGELU sharing the Parameters of `conv1d` (any module computing
+        `x @ weight + bias` with weight (in_features, out_features)), copying nothing."""
+        nx, nf = conv1d.weight.shape
+        fused = cls(nf, nx, approximate=approximate, device="meta")
+        fused.weight, fused.bias = conv1d.weight, conv1d.bias
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear_gelu_op(x, self.weight.t(), self.bias, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, approximate={self.approximate!r}"
 
 
 class LayerNorm(nn.Module):
@@ -98,9 +139,20 @@ class LayerNorm(nn.Module):
 
     reset_parameters = nn.LayerNorm.reset_parameters  # ones / zeros, as nn.LayerNorm
 
+    @classmethod
+    def from_layer_norm(cls, layer_norm: nn.LayerNorm, memory_efficient: bool = False
+                        ) -> "LayerNorm":
+        """A LayerNorm sharing the Parameters of `layer_norm` (an nn.LayerNorm), copying
+        nothing."""
+        fused = cls(layer_norm.normalized_shape, eps=layer_norm.eps, elementwise_affine=False,
+                    memory_efficient=memory_efficient)
+        fused.elementwise_affine = layer_norm.elementwise_affine
+        fused.weight, fused.bias = layer_norm.weight, layer_norm.bias
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                              self.memory_efficient)
+        return ops.layer_norm_op(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                                 self.memory_efficient)[0]
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, "

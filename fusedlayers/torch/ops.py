@@ -1,11 +1,15 @@
-"""The fused ops on torch tensors: fake kernels for the `fusedlayers::` operators (schemas in
-backends/torch/schemas.cpp, autograd in backends/torch/autograd.cpp), and the functional API on
-top of them.
+"""The fused ops on torch tensors: the `fusedlayers::` operators (schemas in
+backends/torch/schemas.cpp; autograd and autocast in C++, backends/torch/autograd.cpp and
+autocast.cpp), their fake kernels, and the functional API on top of them.
 
-Autocast policy (decided to match the unfused ops under torch.autocast): `linear_gelu` runs in
-the autocast dtype like `torch.nn.functional.linear`; `layer_norm` runs in float32 on CUDA and in
-the input dtype on the CPU, like `torch.nn.functional.layer_norm` there; `relu_scale` runs in the
-input dtype like relu.
+`relu_scale_op`, `layer_norm_op` and `linear_gelu_op` are the operators' handles, which the
+modules call directly; without a built extension they raise ExtensionNotBuiltError, naming the
+command that builds it.
+
+Autocast policy (that of the unfused ops under torch.autocast): `linear_gelu` runs in the autocast
+dtype like `torch.nn.functional.linear`; `layer_norm` runs in float32 on CUDA and in the input
+dtype on the CPU, like `torch.nn.functional.layer_norm` there; `relu_scale` runs in the input
+dtype like relu. float64 stays float64.
 """
 
 from collections.abc import Sequence
@@ -17,18 +21,16 @@ from . import _library
 _LOAD_ERROR = _library.load()
 
 
-def _require() -> None:
-    if _LOAD_ERROR is not None:
-        raise _library.ExtensionNotBuiltError(_LOAD_ERROR)
+def _missing(*args, **kwargs):
+    raise _library.ExtensionNotBuiltError(_LOAD_ERROR)
 
 
-def _cast(dtype, *tensors):
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
-
-
-def _autocast(x: torch.Tensor) -> bool:
-    device = x.device.type
-    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+if _LOAD_ERROR is None:
+    relu_scale_op = torch.ops.fusedlayers.relu_scale.default
+    layer_norm_op = torch.ops.fusedlayers.layer_norm.default
+    linear_gelu_op = torch.ops.fusedlayers.linear_gelu.default
+else:
+    relu_scale_op = layer_norm_op = linear_gelu_op = _missing
 
 
 def _check_devices(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
@@ -47,23 +49,21 @@ def relu_scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
     x's shape and dtype. Raises TypeError for other dtypes, ValueError for a non-finite alpha.
     When x requires grad, autograd saves a bitmask of where x > 0 (1 bit per element), not x.
     """
-    _require()
-    return torch.ops.fusedlayers.relu_scale(x, float(alpha))
+    return relu_scale_op(x, float(alpha))
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 approximate: str = "none") -> torch.Tensor:
     """y = gelu(x @ weight^T + bias), replacing `F.gelu(F.linear(x, weight, bias), approximate)`.
 
-    x: (..., in_features); weight: (out_features, in_features); bias: (out_features,) or None;
-    all one floating dtype on one device. approximate: 'none' (erf) or 'tanh'. Returns
-    (..., out_features). Raises ValueError on shape/device/approximate mismatches and TypeError on
-    dtype mismatches. GELU: Hendrycks & Gimpel 2016, arXiv:1606.08415.
+    x: (..., in_features); weight: (out_features, in_features), contiguous or the transpose of a
+    contiguous (in_features, out_features) tensor (GPT-2's Conv1D weight `w` is passed as
+    `w.t()`; neither is copied); bias: (out_features,) or None; all one floating dtype on one
+    device. approximate: 'none' (erf) or 'tanh'. Returns (..., out_features). Raises ValueError
+    on shape/device/approximate mismatches and TypeError on dtype mismatches. GELU: Hendrycks &
+    Gimpel 2016, arXiv:1606.08415.
     """
-    _require()
-    if _autocast(x):
-        x, weight, bias = _cast(torch.get_autocast_dtype(x.device.type), x, weight, bias)
-    return torch.ops.fusedlayers.linear_gelu(x, weight, bias, approximate)[0]
+    return linear_gelu_op(x, weight, bias, approximate)
 
 
 def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
@@ -78,28 +78,23 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     Apex does); it then needs a weight without zeros. Raises ValueError on shape/device/eps
     errors and TypeError on dtype errors.
     """
-    _require()
-    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    if _autocast(x) and x.device.type == "cuda":
-        x, weight, bias = _cast(torch.float32, x, weight, bias)
-    return torch.ops.fusedlayers.layer_norm(x, shape, weight, bias, float(eps),
-                                            bool(memory_efficient))[0]
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return layer_norm_op(x, shape, weight, bias, float(eps), bool(memory_efficient))[0]
 
 
 def dense_gelu(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None = None,
                approximate: str = "none") -> torch.Tensor:
-    """gelu(x @ kernel + bias) with a Keras Dense kernel (in_features, out_features)."""
-    return linear_gelu(x, kernel.t(), bias, approximate)
+    """gelu(x @ kernel + bias) with a Keras Dense kernel (in_features, out_features), read in
+    place."""
+    return linear_gelu_op(x, kernel.t(), bias, approximate)
 
 
 def layer_norm_trailing(x: torch.Tensor, norm_ndims: int, gamma: torch.Tensor | None = None,
                         beta: torch.Tensor | None = None, eps: float = 1e-5,
                         subtract_mean: bool = True) -> torch.Tensor:
     """Normalizes the trailing norm_ndims dims; subtract_mean=False is Keras' rms_scaling."""
-    _require()
     shape = list(x.shape[x.dim() - norm_ndims:])
-    return torch.ops.fusedlayers.layer_norm(x, shape, gamma, beta, float(eps), False,
-                                            subtract_mean)[0]
+    return layer_norm_op(x, shape, gamma, beta, float(eps), False, subtract_mean)[0]
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
@@ -143,14 +138,22 @@ def _register() -> None:
     @fake(lib + "linear_gelu")
     def _(x, weight, bias, approximate):
         _check_devices("linear_gelu", "input", x, weight=weight, bias=bias)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @fake(lib + "linear_gelu_with_pre")
+    def _(x, weight, bias, approximate):
+        _check_devices("linear_gelu", "input", x, weight=weight, bias=bias)
         shape = (*x.shape[:-1], weight.shape[0])
         return x.new_empty(shape), x.new_empty(shape)
 
     @fake(lib + "linear_gelu_backward")
     def _(grad_out, x, weight, pre, has_bias, approximate):
         _check_devices("linear_gelu_backward", "input", x, grad_out=grad_out, weight=weight)
-        return (x.new_empty(x.shape), weight.new_empty(weight.shape),
-                x.new_empty(weight.shape[0] if has_bias else 0))
+        # grad_weight in weight's layout: (in, out) storage when weight is such a transpose.
+        in_out = not weight.is_contiguous() and weight.t().is_contiguous()
+        grad_weight = (weight.new_empty(weight.shape[::-1]).t() if in_out
+                       else weight.new_empty(weight.shape))
+        return (x.new_empty(x.shape), grad_weight, x.new_empty(weight.shape[0] if has_bias else 0))
 
 
 if _LOAD_ERROR is None:
