@@ -66,8 +66,8 @@ setup(
     cmdclass={"build_ext": BuildWithTensorFlow},
     python_requires=">=3.10",
     extras_require={
-        "test": ["pytest", "numpy", "expecttest"],
+        "test": ["pytest", "numpy", "expecttest", "transformers"],
         "tensorflow": ["tensorflow-cpu==2.21.0"],
-        "examples": ["scikit-learn", "einops", "matplotlib", "tqdm"],
+        "examples": ["scikit-learn", "einops", "matplotlib", "tqdm", "transformers"],
     },
 )

@@ -2,8 +2,9 @@
 operators (TORCH_LIBRARY, so torch.compile sees them without graph breaks)."""
 
 from ._library import ExtensionNotBuiltError
-from .layers import FusedLinearGELU, FusedReLUScale, LayerNorm
+from .fuse import FuseReport, fuse
+from .layers import FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm
 from .ops import layer_norm, linear_gelu, relu_scale
 
-__all__ = ["ExtensionNotBuiltError", "FusedLinearGELU", "FusedReLUScale", "LayerNorm",
-           "layer_norm", "linear_gelu", "relu_scale"]
+__all__ = ["ExtensionNotBuiltError", "FuseReport", "FusedConv1DGELU", "FusedLinearGELU",
+           "FusedReLUScale", "LayerNorm", "fuse", "layer_norm", "linear_gelu", "relu_scale"]

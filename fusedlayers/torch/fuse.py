@@ -1,0 +1,366 @@
+"""`fuse(model)`: swaps the unfused layers of an existing torch model for fusedlayers' modules, in
+place, sharing the model's Parameters (nothing is copied, so optimizer state, tied weights and
+checkpoints stay valid).
+
+What is recognised is structure, not class names:
+- every `nn.LayerNorm` becomes `LayerNorm`;
+- a linear layer whose output feeds only a GELU becomes `FusedLinearGELU` (weight (out, in), as
+  nn.Linear) or `FusedConv1DGELU` (weight (in, out), as GPT-2's Conv1D), and the GELU an
+  `nn.Identity`. A module is a linear layer when its only Parameters are a 2-D `weight` and a
+  `bias`, and its output on a probe input is `x @ weight^T + bias` (or `x @ weight + bias`); it
+  is a GELU when it holds no state and its output on a float64 probe from -100 to 100 is erf or
+  tanh GELU. Who feeds whom is read from the parent module's forward, traced with torch.fx with
+  every child module as a leaf: the linear layer is called once, the GELU once, on the linear
+  layer's output and nothing else;
+- a ReLU (a stateless module whose output is exactly relu's) becomes `FusedReLUScale(1.0)`,
+  which saves 1 bit per element for the backward instead of the output.
+
+Every swap is checked on a probe input against the layers it replaces before it is made; one
+that does not match is not made and is reported. Probing forks the RNG, so the model's random
+stream is the same as without fuse(). The report of what was swapped and what was left, and
+why, is `model.fusedlayers_report` (printed with verbose=True).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm
+
+# ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
+# function (a wrong layout, bias or GELU form is off by far more).
+_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3,
+              torch.bfloat16: 3e-2}
+_TOLERANCE_TF32 = 2e-3  # float32 matmuls on TF32 (torch.backends.cuda.matmul.allow_tf32)
+_PROBE_ROWS = 5
+
+
+@dataclass
+class FuseReport:
+    """What fuse() swapped (module path, what it was, what it is now) and what it left (module
+    path, what it is, why it was left)."""
+    swapped: list[tuple[str, str, str]] = field(default_factory=list)
+    left: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fusedlayers.torch.fuse: {len(self.swapped)} swapped, {len(self.left)} left"]
+        for path, was, now in self.swapped:
+            lines.append(f"  swapped {path or '(model)'}: {was} -> {now}")
+        for path, what, why in self.left:
+            lines.append(f"  left    {path or '(model)'}: {what}: {why}")
+        return "\n".join(lines)
+
+
+def fuse(model: nn.Module, *, layer_norm: bool = True, linear_gelu: bool = True,
+         relu_scale: bool = True, verbose: bool = False) -> nn.Module:
+    """Swaps, in place, every nn.LayerNorm for `LayerNorm`, every linear layer whose output feeds
+    only a GELU for `FusedLinearGELU` / `FusedConv1DGELU` (+ nn.Identity), and every ReLU for
+    `FusedReLUScale(1.0)`, sharing the existing Parameters. Works on train() and eval() models,
+    on any device and dtype the fused ops support.
+
+    Returns `model`; its `fusedlayers_report` attribute lists what was swapped and what was left,
+    and why (printed when verbose). Raises TypeError if model is not an nn.Module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fusedlayers.torch.fuse: model must be a torch.nn.Module, got "
+                        f"{type(model).__module__}.{type(model).__qualname__}")
+    report = FuseReport()
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        if layer_norm:
+            _fuse_layer_norms(model, report)
+        if linear_gelu or relu_scale:
+            _fuse_traced(model, report, linear_gelu, relu_scale)
+    model.fusedlayers_report = report
+    if verbose:
+        print(report)
+    return model
+
+
+# ---------------------------------------------------------------- probes
+
+def _describe(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+def _has_state_hooks(module: nn.Module) -> bool:
+    """Hooks or parametrizations that a swapped-in module would silently drop."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_state_dict_hooks", "_load_state_dict_pre_hooks")
+    return any(getattr(module, h, None) for h in hooks) or \
+        torch.nn.utils.parametrize.is_parametrized(module)
+
+
+def _stateless(module: nn.Module) -> bool:
+    return not module._parameters and not module._buffers and not module._modules
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    den = ref.norm().item()
+    return (got - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def _matches(got, ref) -> tuple[bool, float]:
+    if not isinstance(got, torch.Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
+        return False, float("inf")
+    err = _rel_err(got, ref)
+    tol = _TOLERANCE.get(ref.dtype, 0.0)
+    if ref.dtype == torch.float32 and ref.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        tol = _TOLERANCE_TF32
+    return err <= tol, err
+
+
+def _probe(shape, like: torch.Tensor) -> torch.Tensor:
+    # A generator of its own: the probe neither reads nor moves the model's random stream.
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    return torch.randn(shape, generator=gen, device=like.device, dtype=like.dtype)
+
+
+def _gelu_form(module: nn.Module, device: torch.device) -> str | None:
+    """'none' or 'tanh' when module is a stateless GELU of that form, else None."""
+    if not _stateless(module) or _has_state_hooks(module):
+        return None
+    x = torch.cat([torch.linspace(-8, 8, 513, dtype=torch.float64),
+                   torch.tensor([-100.0, -20.0, -0.0, 20.0, 100.0], dtype=torch.float64)])
+    for dtype, rtol in ((torch.float64, 1e-9), (torch.float32, 1e-5)):
+        try:
+            y = module(x.to(device, dtype))
+        except Exception:  # not elementwise, or not on this dtype: try the next, else not a GELU
+            continue
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+            return None
+        for form in ("none", "tanh"):
+            ref = F.gelu(x, approximate=form)
+            if torch.allclose(y.double().cpu(), ref, rtol=rtol, atol=rtol):
+                return form
+        return None
+    return None
+
+
+def _linear_layout(module: nn.Module) -> str | None:
+    """'out_in' when module computes x @ weight^T + bias (nn.Linear), 'in_out' when it computes
+    x @ weight + bias (GPT-2's Conv1D), else None. Judged on a probe input."""
+    params = module._parameters
+    w, b = params.get("weight"), params.get("bias")
+    if (module._modules or module._buffers or set(params) - {"weight", "bias"}
+            or not isinstance(w, nn.Parameter) or w.dim() != 2 or not w.is_floating_point()
+            or (b is not None and b.dim() != 1) or _has_state_hooks(module)
+            or w.device.type == "meta"):
+        return None
+    rows, cols = w.shape
+    for layout, in_features, out_features in (("out_in", cols, rows), ("in_out", rows, cols)):
+        if b is not None and b.shape[0] != out_features:
+            continue
+        x = _probe((_PROBE_ROWS, in_features), w)
+        try:
+            y = module(x)
+        except Exception:
+            continue
+        ref = F.linear(x, w if layout == "out_in" else w.t(), b)
+        if _matches(y, ref)[0]:
+            return layout
+    return None
+
+
+def _is_relu(module: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    if isinstance(module, FusedReLUScale) or not _stateless(module) or _has_state_hooks(module):
+        return False
+    x = torch.tensor([-3.0, -0.0, 0.0, 0.5, 7.0, 1e30, -1e30, float("inf"), float("-inf"),
+                      float("nan")], device=device, dtype=dtype)
+    try:
+        y = module(x.clone())
+    except Exception:
+        return False
+    return isinstance(y, torch.Tensor) and torch.equal(y.isnan(), x.isnan()) and \
+        torch.equal(torch.nan_to_num(y), torch.nan_to_num(torch.relu(x)))
+
+
+def _mutates_input(module: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    x = torch.tensor([-1.0, 1.0], device=device, dtype=dtype)
+    module(x)
+    return bool(x[0] != -1.0)
+
+
+# ---------------------------------------------------------------- LayerNorm
+
+def _fuse_layer_norms(model: nn.Module, report: FuseReport) -> None:
+    fused_of = {}  # id(nn.LayerNorm) -> its LayerNorm, so a shared module stays shared
+    for parent_path, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.LayerNorm):
+                continue
+            path = f"{parent_path}.{name}" if parent_path else name
+            if id(child) not in fused_of:
+                fused_of[id(child)] = _verified_layer_norm(child, path, report)
+            fused = fused_of[id(child)]
+            if fused is not None:
+                setattr(parent, name, fused)
+                report.swapped.append((path, "nn.LayerNorm", "LayerNorm"))
+
+
+def _verified_layer_norm(ln: nn.LayerNorm, path: str, report: FuseReport) -> LayerNorm | None:
+    if _has_state_hooks(ln):
+        report.left.append((path, _describe(ln), "has hooks or parametrizations"))
+        return None
+    fused = LayerNorm.from_layer_norm(ln)
+    fused.train(ln.training)
+    like = ln.weight if ln.weight is not None else torch.empty(0)
+    if like.device.type != "meta":
+        x = _probe((_PROBE_ROWS, *ln.normalized_shape), like)
+        try:
+            ok, err = _matches(fused(x), ln(x))
+        except Exception as e:  # a dtype or device the fused op does not support
+            report.left.append((path, _describe(ln), f"the fused op fails on it: {e}"))
+            return None
+        if not ok:
+            report.left.append((path, _describe(ln), f"probe mismatch (relative error {err:.1e})"))
+            return None
+    return fused
+
+
+# ---------------------------------------------------------------- Linear + GELU, ReLU
+
+class _ChildrenAsLeaves(torch.fx.Tracer):
+    """Traces one module's own forward: each submodule call is one node."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return True
+
+
+def _param_like(module: nn.Module) -> torch.Tensor | None:
+    return next(iter(module.parameters()), None)
+
+
+def _fuse_traced(model: nn.Module, report: FuseReport, linear_gelu: bool,
+                 relu_scale: bool) -> None:
+    model_like = _param_like(model)
+    for parent_path, parent in list(model.named_modules()):
+        children = dict(parent.named_children())
+        if not children:
+            continue
+        like = _param_like(parent)  # where and in what the children run
+        like = model_like if like is None else like
+        device = like.device if like is not None else torch.device("cpu")
+        dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
+        gelus = {n: f for n, c in children.items()
+                 if linear_gelu and (f := _gelu_form(c, device)) is not None}
+        relus = {n for n, c in children.items() if relu_scale and _is_relu(c, device, dtype)}
+        if not gelus and not relus and not (linear_gelu and _calls_gelu(parent)):
+            continue
+        try:
+            graph = _ChildrenAsLeaves().trace(parent)
+        except Exception as e:
+            what = ", ".join(sorted({*gelus, *relus}))
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            report.left.append((parent_path, f"{_describe(parent)} ({what})",
+                                f"its forward cannot be traced by torch.fx ({first_line})"))
+            continue
+        calls = [n for n in graph.nodes if n.op == "call_module"]
+        count = {}
+        for n in calls:
+            count[n.target] = count.get(n.target, 0) + 1
+        if linear_gelu:
+            _report_functional_gelus(parent, parent_path, graph, report)
+        for act in calls:
+            if act.target in gelus:
+                _fuse_pair(parent, parent_path, act, gelus[act.target], count, report)
+            elif act.target in relus:
+                _fuse_relu(parent, parent_path, act, count, graph, report, device, dtype)
+
+
+def _calls_gelu(module: nn.Module) -> bool:
+    """Whether module's forward names F.gelu (worth tracing to report it)."""
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and "gelu" in code.co_names
+
+
+def _report_functional_gelus(parent: nn.Module, parent_path: str, graph: torch.fx.Graph,
+                             report: FuseReport) -> None:
+    """A linear layer followed by F.gelu called in the parent's forward: the forward's code would
+    have to change, so it is left; say so."""
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not F.gelu or not node.args:
+            continue
+        producer = node.args[0]
+        if isinstance(producer, torch.fx.Node) and producer.op == "call_module" and \
+                _linear_layout(parent.get_submodule(producer.target)) is not None:
+            report.left.append((_join(parent_path, producer.target),
+                                f"{_describe(parent.get_submodule(producer.target))} + F.gelu",
+                                "the GELU is a function call in the forward, not a module "
+                                "that can be swapped out"))
+
+
+def _join(parent_path: str, name: str) -> str:
+    return f"{parent_path}.{name}" if parent_path else name
+
+
+def _fuse_pair(parent: nn.Module, parent_path: str, act: torch.fx.Node, form: str,
+               count: dict, report: FuseReport) -> None:
+    act_path = _join(parent_path, act.target)
+    producer = act.args[0] if len(act.args) == 1 and not act.kwargs else None
+    if not (isinstance(producer, torch.fx.Node) and producer.op == "call_module"):
+        return  # a GELU fed by something else than a module: nothing to fuse with
+    linear = parent.get_submodule(producer.target)
+    layout = _linear_layout(linear)
+    if layout is None:
+        return  # the GELU follows a module that is not a linear layer
+    lin_path = _join(parent_path, producer.target)
+    what = f"{_describe(linear)} + {_describe(getattr(parent, act.target))}"
+    reason = None
+    if len(producer.users) != 1:
+        reason = f"the {producer.target} output also feeds {len(producer.users) - 1} other node(s)"
+    elif count[producer.target] != 1 or count[act.target] != 1:
+        reason = "the linear layer or the GELU is called more than once in the forward"
+    elif len(producer.args) != 1 or producer.kwargs:
+        reason = "the linear layer is called with more than one argument"
+    if reason:
+        report.left.append((lin_path, what, reason))
+        return
+    fused = (FusedLinearGELU.from_linear(linear, approximate=form) if layout == "out_in"
+             else FusedConv1DGELU.from_conv1d(linear, approximate=form))
+    fused.train(linear.training)
+    act_module = getattr(parent, act.target)
+    w = linear.weight
+    x = _probe((_PROBE_ROWS, w.shape[1] if layout == "out_in" else w.shape[0]), w)
+    try:
+        ok, err = _matches(fused(x), act_module(linear(x)))
+    except Exception as e:
+        report.left.append((lin_path, what, f"the fused op fails on it: {e}"))
+        return
+    if not ok:
+        report.left.append((lin_path, what, f"probe mismatch (relative error {err:.1e})"))
+        return
+    _set(parent, producer.target, fused)
+    setattr(parent, act.target, nn.Identity().train(act_module.training))
+    report.swapped.append((f"{lin_path} + {act.target}", what,
+                           f"{type(fused).__name__}(approximate={form!r}) + Identity"))
+
+
+def _fuse_relu(parent: nn.Module, parent_path: str, node: torch.fx.Node, count: dict,
+               graph: torch.fx.Graph, report: FuseReport, device, dtype) -> None:
+    path = _join(parent_path, node.target)
+    relu = getattr(parent, node.target)
+    source = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+    reason = None
+    if count[node.target] != 1:
+        reason = "called more than once in the forward"
+    elif not isinstance(source, torch.fx.Node):
+        reason = "not called on one tensor"
+    elif _mutates_input(relu, device, dtype) and len(source.users) != 1:
+        # In place, later readers of the input see the ReLU's output: keep that semantics.
+        reason = "in place, and its input is read again after it"
+    if reason:
+        report.left.append((path, _describe(relu), reason))
+        return
+    _set(parent, node.target, FusedReLUScale(1.0).train(relu.training))
+    report.swapped.append((path, _describe(relu), "FusedReLUScale(1.0)"))
+
+
+def _set(parent: nn.Module, target: str, module: nn.Module) -> None:
+    owner_path, _, name = target.rpartition(".")
+    setattr(parent.get_submodule(owner_path) if owner_path else parent, name, module)
+
