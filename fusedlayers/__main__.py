@@ -61,14 +61,28 @@ def bench(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart")
+    model = parser.add_argument_group(
+        "whole models", "--model times training steps of a Hugging Face model (built from "
+        "config), unfused vs fusedlayers.torch.fuse, instead of single ops")
+    model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2"))
+    model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
+    model.add_argument("--batch", help="comma-separated batch sizes (default: a host-bound and "
+                                       "a GPU-bound one on CUDA, 8 on the CPU)")
+    model.add_argument("--precision", default="autocast,bf16",
+                       help="autocast (bf16 compute, fp32 params), bf16 (bf16 params), fp32")
+    model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
+    model.add_argument("--rounds", type=int, default=5, help="A/B rounds")
+    model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
     args = parser.parse_args(argv)
 
     import torch
-    from fusedlayers import bench as b
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     if device == "cpu":
         name += f" ({torch.get_num_threads()} threads)"
+    if args.model:
+        return _bench_model(args, device, name)
+    from fusedlayers import bench as b
     rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
                            not args.no_compile, args.reps, tuple(args.ops.split(",")))
     print(b.format_table(rows, ceilings, name))
@@ -76,6 +90,20 @@ def bench(argv: list[str]) -> int:
         b.write_json(args.json, rows, ceilings, name)
     if args.plot:
         b.plot(args.plot, rows, name)
+    return 0
+
+
+def _bench_model(args, device: str, name: str) -> int:
+    from fusedlayers import model_bench as mb
+    print(f"device: {name}\n{mb.HEADER}")
+    rows = mb.run(args.model, device,
+                  tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
+                  tuple(args.precision.split(",")), tuple(args.modes.split(",")),
+                  args.rounds, args.steps, tiny=args.tiny, log=lambda line: print(line, flush=True))
+    if args.json:
+        mb.write_json(args.json, rows, name)
+    if args.plot:
+        mb.plot(args.plot, rows, name)
     return 0
 
 

@@ -112,7 +112,8 @@ OPS = ("relu_scale", "layer_norm", "linear_gelu")
 
 
 def _cases(device: torch.device, quick: bool):
-    """(op, shape, builder) where builder(dtype) -> (fused_fn, unfused_fn, inputs, work)."""
+    """(op, shape, builder) where builder(dtype) -> (fused_fn, unfused_fn, inputs, work,
+    extra_fwd): extra_fwd holds more forward-only variants by name."""
     cuda = device.type == "cuda"
     ew_shapes = [(32768, 4096)] if cuda else [(1024, 1024)]
     ln_shapes = ([(32768, 768), (32768, 1024), (32768, 2048), (32768, 4096), (8192, 8192),
@@ -128,19 +129,23 @@ def _cases(device: torch.device, quick: bool):
         def relu_case(dtype, rows=rows, cols=cols):
             x = rand(rows, cols, dtype=dtype)
             return (lambda: ops.relu_scale(x, 0.5), lambda: reference.relu_scale(x, 0.5), [x],
-                    x.numel() * x.element_size())
+                    x.numel() * x.element_size(), {})
         yield "relu_scale", f"{rows}x{cols}", relu_case
     for rows, cols in ln_shapes:
         def ln_case(dtype, rows=rows, cols=cols):
             x, w, b = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
             return (lambda: ops.layer_norm(x, cols, w, b), lambda: reference.layer_norm(x, cols, w, b),
-                    [x, w, b], x.numel() * x.element_size())
+                    [x, w, b], x.numel() * x.element_size(), {})
         yield "layer_norm", f"{rows}x{cols}", ln_case
     for m, k, n in lin_shapes:
         def lin_case(dtype, m=m, k=k, n=n):
             x, w, b = rand(m, k, dtype=dtype), rand(n, k, dtype=dtype), rand(n, dtype=dtype)
+            # The tanh form: ours, and PyTorch's own cuBLASLt GELU_BIAS epilogue (CUDA only).
+            extra = {"fused-tanh": lambda: ops.linear_gelu(x, w, b, "tanh")}
+            if cuda:
+                extra["addmm-act"] = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
             return (lambda: ops.linear_gelu(x, w, b), lambda: reference.linear_gelu(x, w, b),
-                    [x, w, b], 2 * m * n * k)
+                    [x, w, b], 2 * m * n * k, extra)
         yield "linear_gelu", f"({m}x{k})x({k}x{n})", lin_case
 
 
@@ -158,9 +163,9 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
         for op, shape, build in _cases(dev, quick):
             if op not in op_names:
                 continue
-            fused, unfused, inputs, work = build(dtype)
+            fused, unfused, inputs, work, extra_fwd = build(dtype)
             for pass_ in ("fwd", "fwd+bwd"):
-                impls = {"fused": fused, "eager": unfused}
+                impls = {"fused": fused, "eager": unfused, **(extra_fwd if pass_ == "fwd" else {})}
                 if compile:  # a fresh compile per case and pass: no recompile-limit fallbacks
                     torch._dynamo.reset()
                     impls["compile"] = torch.compile(unfused)

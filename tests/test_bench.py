@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fusedlayers import bench
+from fusedlayers import bench, model_bench
 
 
 def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
@@ -35,3 +35,35 @@ def test_cli_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert {r["op"] for r in data["rows"]} == {"linear_gelu"}
     assert all(r["unit"] == "TFLOP/s" and r["ms"] > 0 for r in data["rows"])
+
+
+def test_model_bench_tiny_bert_on_cpu():
+    rows = model_bench.run("bert-base", "cpu", batches=(2,), precisions=("fp32", "bf16"),
+                           modes=("eager",), rounds=2, steps=1, warmup=1, tiny=True,
+                           log=lambda line: None)
+    assert [(r.precision, r.batch, r.mode) for r in rows] == [("fp32", 2, "eager"),
+                                                             ("bf16", 2, "eager")]
+    for r in rows:
+        assert r.unfused_ms > 0 and r.fused_ms > 0
+        assert r.speedup == pytest.approx(r.unfused_ms / r.fused_ms)
+        assert r.unfused_gpu_ms is None and r.fused_peak_mb is None  # CPU: no GPU figures
+    fp32, bf16 = rows
+    # The fused model computes the same function: float32 rounding, and bf16's.
+    assert 0 < fp32.first_forward_rel_diff <= 1e-5
+    assert bf16.first_forward_rel_diff <= 1e-2
+
+
+def test_model_bench_rejects_unknown_precision():
+    with pytest.raises(ValueError, match="fp8"):
+        model_bench.run("bert-base", "cpu", precisions=("fp8",))
+
+
+def test_cli_model_bench_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "model.json", tmp_path / "model.png"
+    subprocess.run([sys.executable, "-m", "fusedlayers", "bench", "--device", "cpu", "--model",
+                    "gpt2", "--tiny", "--batch", "2", "--precision", "fp32", "--modes", "eager",
+                    "--rounds", "1", "--steps", "1", "--json", str(out), "--plot", str(png)],
+                   check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    assert [(r["model"], r["batch"]) for r in data["rows"]] == [("gpt2", 2)]
+    assert png.stat().st_size > 0

@@ -277,6 +277,112 @@ def test_opcheck_cuda():
     x = torch.randn(3, 5, 768, device="cuda", requires_grad=True)
     w = torch.randn(768, device="cuda", requires_grad=True)
     W = torch.randn(64, 768, device="cuda", requires_grad=True)
-    torch.library.opcheck(torch.ops.fusedlayers.relu_scale, (x, 0.5))
-    torch.library.opcheck(torch.ops.fusedlayers.layer_norm, (x, [768], w, w, 1e-5, False))
-    torch.library.opcheck(torch.ops.fusedlayers.linear_gelu, (x, W, None, "tanh"))
+    W_in_out = torch.randn(768, 64, device="cuda").t()
+    ops = torch.ops.fusedlayers
+    torch.library.opcheck(ops.relu_scale, (x, 0.5))
+    torch.library.opcheck(ops.layer_norm, (x, [768], w, w, 1e-5, False))
+    torch.library.opcheck(ops.linear_gelu, (x, W, None, "tanh"))
+    torch.library.opcheck(ops.linear_gelu, (x, W_in_out.requires_grad_(), w[:64], "none"))
+    _, pre = ops.linear_gelu_with_pre(x.detach(), W_in_out.detach(), None, "tanh")
+    torch.library.opcheck(ops.linear_gelu_with_pre, (x.detach(), W_in_out.detach(), None, "tanh"))
+    torch.library.opcheck(ops.linear_gelu_backward,
+                          (torch.randn_like(pre), x.detach(), W_in_out.detach(), pre, False, "tanh"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("n", [96, 70])  # tanh: cuBLASLt's GELU epilogue (n % 8 == 0) or not
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+@pytest.mark.parametrize("row_offset", [0, 1])  # 1: x starts 67 elements into its buffer
+def test_linear_gelu_layouts_alignment_and_no_grad(layout, row_offset, n, approximate, dtype):
+    """Weights read in place in both layouts, inputs whose pointers are only 2- or 4-byte aligned
+    (cuBLASLt must be told), and the forward without a backward (no pre-activation, GELU_BIAS
+    epilogue): each against float64, and dW in the weight's own layout."""
+    m, k = 33, 67
+    x = torch.randn(m + row_offset, k, device="cuda", dtype=dtype)[row_offset:].requires_grad_()
+    storage = torch.randn(*((n, k) if layout == "out_in" else (k, n)), device="cuda", dtype=dtype)
+    w_param = (storage / k**0.5).requires_grad_()
+    w = w_param if layout == "out_in" else w_param.t()
+    b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+    y = fl.linear_gelu(x, w, b, approximate)
+    with torch.no_grad():
+        y_no_grad = fl.linear_gelu(x, w, b, approximate)
+    dy = torch.randn_like(y)
+    dx, dw, db = torch.autograd.grad(y, (x, w_param, b), dy)
+    ref = [t.detach().double().requires_grad_() for t in (x, w_param, b)]
+    w_ref = ref[1] if layout == "out_in" else ref[1].t()
+    yr = F.gelu(F.linear(ref[0], w_ref, ref[2]), approximate=approximate)
+    grads_ref = torch.autograd.grad(yr, ref, dy.double())
+    yh = F.gelu(F.linear(x, w, b), approximate=approximate)  # torch in the test dtype
+    grads_h = torch.autograd.grad(yh, (x, w_param, b), dy)
+    assert_close(y, yh, yr, dtype, "y")
+    assert_close(y_no_grad, yh, yr, dtype, "y without grad")
+    for name, g, h, r in zip(("dx", "dW", "db"), (dx, dw, db), grads_h, grads_ref):
+        assert_close(g, h, r, dtype, name)
+    assert dw.shape == w_param.shape and dw.is_contiguous()
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_cuda_matches_native_policy(x_dtype):
+    """Under CUDA autocast: linear_gelu in bf16 like F.linear, layer_norm in float32 like
+    F.layer_norm, relu_scale in the input dtype like relu."""
+    from fusedlayers.torch import FusedLinearGELU, FusedReLUScale, LayerNorm
+    x = torch.randn(8, 64, device="cuda", dtype=x_dtype)
+    lin, ln = FusedLinearGELU(64, 32, device="cuda"), LayerNorm(64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        pairs = [(lin(x), F.gelu(F.linear(x, lin.weight, lin.bias))),
+                 (ln(x), F.layer_norm(x, (64,), ln.weight, ln.bias)),
+                 (FusedReLUScale(1.0)(x), torch.relu(x))]
+    for ours, native in pairs:
+        assert ours.dtype == native.dtype
+        assert rel_err(ours, native) <= 1e-2
+
+
+def test_threads_share_no_cublaslt_state():
+    """Two host threads running linear_gelu of different shapes at once (cached cuBLASLt plans
+    are per thread) get the same results as one thread."""
+    import threading
+    shapes = [(257, 96, 160), (64, 512, 1024)]
+    cases = []
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        cases.append((x, w, fl.linear_gelu(x, w, None, "tanh")))
+    torch.cuda.synchronize()
+    failures = []
+
+    def work(x, w, want):
+        for _ in range(50):
+            if not torch.equal(fl.linear_gelu(x, w, None, "tanh"), want):
+                failures.append(x.shape)
+
+    threads = [threading.Thread(target=work, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+@pytest.mark.parametrize("name", ["bert", "vit", "gpt2"])
+def test_fused_hf_model_on_cuda(name, precision):
+    """fuse() on a model already on CUDA: same outputs as before, and no graph breaks."""
+    import copy
+    from test_fuse import EXPECTED, hf_model
+    from fusedlayers.torch import fuse
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model, inputs = hf_model(name, dtype)
+    model = model.cuda().eval()
+    inputs = {k: v.cuda() for k, v in inputs.items()}
+    unfused = copy.deepcopy(model)
+    fuse(model)
+    assert len(model.fusedlayers_report.swapped) == sum(EXPECTED[name][:2])
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16,
+                                         enabled=precision == "autocast"):
+        out = model(**inputs).last_hidden_state
+        ref = unfused(**inputs).last_hidden_state
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(**inputs)
+    assert out.dtype == ref.dtype and rel_err(out, ref) <= 2e-2
+    assert explained.graph_break_count == 0, explained.break_reasons

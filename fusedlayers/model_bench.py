@@ -1,0 +1,245 @@
+"""`python -m fusedlayers bench --model NAME`: whole-model training steps, unfused against the same
+model after `fusedlayers.torch.fuse`, eager and under torch.compile, with autocast (bfloat16
+compute, float32 parameters), with bfloat16 parameters or in float32, at a host-bound and a
+GPU-bound batch.
+
+Models are Hugging Face's, built from their default (base) configs with random weights, no
+download: bert-base (BertModel), vit-base (ViTModel, 224x224 images) and gpt2 (GPT2Model, 124M);
+`tiny` shrinks each to 2 layers of width 64 for a quick run on the CPU. A step is forward, a loss
+(the mean square of the last hidden state), backward and AdamW (fused on CUDA).
+
+Unfused and fused run interleaved in A/B rounds (ABBA order), so drift in clocks or host load hits
+both alike; each step's wall time is taken between device synchronizations, and the median over
+all rounds is reported. GPU-busy time is the sum of kernel times per step from torch.profiler;
+"ours" is the part spent in fusedlayers' own kernels (the cuBLASLt GEMMs of linear_gelu are
+counted with the other GEMMs). Peak memory is torch.cuda.max_memory_allocated over one step.
+The first forward of the fused model, in eval() on the same input, is compared with the unfused
+one: ||fused - unfused|| / ||unfused||.
+"""
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+MODELS = ("bert-base", "vit-base", "gpt2")
+# (host-bound, GPU-bound) batch on an H100, and on the CPU (tiny configs).
+DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64)}
+CPU_BATCHES = (8,)
+SEQ = 512
+
+
+@dataclass
+class ModelRow:
+    model: str
+    batch: int
+    precision: str  # "autocast" (bf16 compute, fp32 params), "bf16" (bf16 params) or "fp32"
+    mode: str  # "eager" or "compile"
+    unfused_ms: float
+    fused_ms: float
+    speedup: float  # unfused_ms / fused_ms
+    unfused_gpu_ms: float | None
+    fused_gpu_ms: float | None
+    fused_ours_gpu_ms: float | None
+    unfused_peak_mb: float | None
+    fused_peak_mb: float | None
+    first_forward_rel_diff: float
+
+
+def build(name: str, tiny: bool, seed: int = 0):
+    """(model, inputs(batch, device, dtype)) for one of MODELS, from config, random weights."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                 intermediate_size=256) if tiny else {}
+    seq = 32 if tiny else SEQ
+    torch.manual_seed(seed)
+    if name == "bert-base":
+        model = transformers.BertModel(transformers.BertConfig(**small))
+        vocab = model.config.vocab_size
+
+        def inputs(batch, device, dtype):
+            return {"input_ids": torch.randint(0, vocab, (batch, seq), device=device)}
+    elif name == "gpt2":
+        gpt_small = dict(n_layer=2, n_embd=64, n_head=4, n_inner=256) if tiny else {}
+        model = transformers.GPT2Model(transformers.GPT2Config(**gpt_small))
+        vocab = model.config.vocab_size
+
+        def inputs(batch, device, dtype):
+            return {"input_ids": torch.randint(0, vocab, (batch, seq), device=device)}
+    elif name == "vit-base":
+        vit_small = dict(small, image_size=32, patch_size=4) if tiny else {}
+        model = transformers.ViTModel(transformers.ViTConfig(**vit_small),
+                                      add_pooling_layer=False)
+        size = model.config.image_size
+
+        def inputs(batch, device, dtype):
+            return {"pixel_values": torch.randn(batch, 3, size, size, device=device, dtype=dtype)}
+    else:
+        raise ValueError(f"bench --model: model must be one of {MODELS}, got {name!r}")
+    return model, inputs
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Variant:
+    """One model with its optimizer and a training step (eager or compiled)."""
+
+    def __init__(self, model, device, precision: str, mode: str):
+        self.model, self.device, self.precision = model, device, precision
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        self.forward = torch.compile(model) if mode == "compile" else model
+
+    def step(self, inputs) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.precision == "autocast"):
+            loss = self.forward(**inputs).last_hidden_state.float().square().mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def timed_step(self, inputs) -> float:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.step(inputs)
+        _sync(self.device)
+        return (time.perf_counter() - t0) * 1e3
+
+    def gpu_ms(self, inputs, steps: int = 3) -> tuple[float, float] | tuple[None, None]:
+        """(all kernels, fusedlayers' kernels) in ms of GPU time per step."""
+        if self.device.type != "cuda":
+            return None, None
+        from torch.profiler import ProfilerActivity, profile
+        _sync(self.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                self.step(inputs)
+            _sync(self.device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps
+        ours = sum(e.time_range.elapsed_us() for e in kernels
+                   if "fusedlayers" in e.name) / 1e3 / steps
+        return total, ours
+
+    def peak_mb(self, inputs) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        _sync(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.step(inputs)
+        _sync(self.device)
+        return torch.cuda.max_memory_allocated(self.device) / 2**20
+
+
+def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
+    outs = []
+    for m in (unfused, fused):
+        m.eval()
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
+                                             enabled=precision == "autocast"):
+            outs.append(m(**inputs).last_hidden_state.double())
+        m.train()
+    return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+
+
+def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "bf16"),
+        modes=("eager", "compile"), rounds: int = 5, steps: int = 4, warmup: int = 3,
+        tiny: bool = False, log=print) -> list[ModelRow]:
+    """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case."""
+    from .torch import fuse
+    unknown = set(precisions) - {"autocast", "bf16", "fp32"} | set(modes) - {"eager", "compile"}
+    if unknown:
+        raise ValueError(f"bench --model: precisions must be among autocast, bf16, fp32 and modes "
+                         f"among eager, compile; got {sorted(unknown)}")
+    dev = torch.device(device)
+    if batches is None:
+        batches = CPU_BATCHES if dev.type == "cpu" else DEFAULT_BATCHES[name]
+    rows = []
+    for precision in precisions:
+        base, make_inputs = build(name, tiny)
+        if precision == "bf16":
+            base = base.to(torch.bfloat16)
+        base = base.to(dev).train()
+        in_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        for mode in modes:
+            unfused = copy.deepcopy(base)
+            fused = fuse(copy.deepcopy(base))
+            variants = {"unfused": _Variant(unfused, dev, precision, mode),
+                        "fused": _Variant(fused, dev, precision, mode)}
+            for batch in batches:
+                inputs = make_inputs(batch, dev, in_dtype)
+                diff = _first_forward_diff(unfused, fused, inputs, precision, dev)
+                t_start = time.perf_counter()
+                for v in variants.values():
+                    for _ in range(warmup):  # compiles, autotunes, fills caches
+                        v.step(inputs)
+                times = {k: [] for k in variants}
+                for r in range(rounds):
+                    order = ("unfused", "fused") if r % 2 == 0 else ("fused", "unfused")
+                    for k in order:
+                        times[k] += [variants[k].timed_step(inputs) for _ in range(steps)]
+                gpu = {k: v.gpu_ms(inputs) for k, v in variants.items()}
+                peak = {k: v.peak_mb(inputs) for k, v in variants.items()}
+                ms = {k: statistics.median(t) for k, t in times.items()}
+                row = ModelRow(name, batch, precision, mode, ms["unfused"], ms["fused"],
+                               ms["unfused"] / ms["fused"], gpu["unfused"][0], gpu["fused"][0],
+                               gpu["fused"][1], peak["unfused"], peak["fused"], diff)
+                rows.append(row)
+                log(f"{format_row(row)}   [{time.perf_counter() - t_start:.0f} s]")
+            del variants, unfused, fused
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _f(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+HEADER = (f"{'model':<10}{'batch':>6} {'precision':<9} {'mode':<8}{'unfused ms':>11}"
+          f"{'fused ms':>10}{'speedup':>8}{'GPU ms unf':>11}{'GPU ms fus':>11}{'ours':>7}"
+          f"{'peak MB unf':>12}{'peak MB fus':>12}{'fwd diff':>10}")
+
+
+def format_row(r: ModelRow) -> str:
+    return (f"{r.model:<10}{r.batch:>6} {r.precision:<9} {r.mode:<8}{r.unfused_ms:>11.2f}"
+            f"{r.fused_ms:>10.2f}{r.speedup:>7.3f}x{_f(r.unfused_gpu_ms, '11.2f'):>11}"
+            f"{_f(r.fused_gpu_ms, '11.2f'):>11}{_f(r.fused_ours_gpu_ms, '7.2f'):>7}"
+            f"{_f(r.unfused_peak_mb, '12.0f'):>12}{_f(r.fused_peak_mb, '12.0f'):>12}"
+            f"{r.first_forward_rel_diff:>10.1e}")
+
+
+def format_table(rows: list[ModelRow], device_name: str) -> str:
+    return "\n".join([f"device: {device_name}", HEADER, *map(format_row, rows)])
+
+
+def write_json(path: str, rows: list[ModelRow], device_name: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": device_name, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def plot(path: str, rows: list[ModelRow], device_name: str) -> None:
+    """Speedup of the fused model per case (1.0 = as fast as unfused)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.model} b{r.batch}\n{r.precision} {r.mode}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
+    ax.bar(range(len(rows)), [r.speedup for r in rows],
+           color=["tab:green" if r.speedup >= 1 else "tab:red" for r in rows])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("training step speedup, fused / unfused")
+    ax.set_ylim(min(0.9, *(r.speedup - 0.02 for r in rows)),
+                max(1.1, *(r.speedup + 0.02 for r in rows)))
+    ax.set_title(f"fusedlayers.torch.fuse on {device_name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
