@@ -167,14 +167,15 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
             base = base.to(torch.bfloat16)
         base = base.to(dev).train()
         in_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        for mode in modes:
-            unfused = copy.deepcopy(base)
-            fused = fuse(copy.deepcopy(base))
-            variants = {"unfused": _Variant(unfused, dev, precision, mode),
-                        "fused": _Variant(fused, dev, precision, mode)}
-            for batch in batches:
-                inputs = make_inputs(batch, dev, in_dtype)
+        for batch in batches:
+            inputs = make_inputs(batch, dev, in_dtype)
+            for mode in modes:
+                # Fresh copies of the same weights for every case: no case trains on another's.
+                unfused, fused = copy.deepcopy(base), fuse(copy.deepcopy(base))
                 diff = _first_forward_diff(unfused, fused, inputs, precision, dev)
+                torch._dynamo.reset()  # each compiled case starts from an empty cache
+                variants = {"unfused": _Variant(unfused, dev, precision, mode),
+                            "fused": _Variant(fused, dev, precision, mode)}
                 t_start = time.perf_counter()
                 for v in variants.values():
                     for _ in range(warmup):  # compiles, autotunes, fills caches
@@ -192,9 +193,9 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
                                gpu["fused"][1], peak["unfused"], peak["fused"], diff)
                 rows.append(row)
                 log(f"{format_row(row)}   [{time.perf_counter() - t_start:.0f} s]")
-            del variants, unfused, fused
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+                del variants, unfused, fused
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
     return rows
 
 

@@ -252,6 +252,18 @@ def test_forward_writes_what_the_backward_needs_only(case):
     assert ("fusedlayers.relu_scale_with_mask" in log.ops) == saved, log.ops
 
 
+@pytest.mark.parametrize("module", ("linear_gelu", "layer_norm", "relu_scale"))
+def test_second_derivative_raises(module):
+    """The backward ops have no derivative: create_graph=True then differentiating again raises
+    instead of returning a silently wrong (zero) second derivative."""
+    m = {"linear_gelu": FusedLinearGELU(6, 5), "layer_norm": LayerNorm(6),
+         "relu_scale": FusedReLUScale(2.0)}[module]
+    x = torch.randn(3, 6, requires_grad=True)
+    (g,) = torch.autograd.grad(m(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        g.sum().backward()
+
+
 def test_autocast_relu_scale_keeps_dtype():
     x = torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
