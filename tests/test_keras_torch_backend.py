@@ -37,6 +37,13 @@ SCRIPT = textwrap.dedent("""
     y = flk.FusedReLUScale(2.0)(np.array([-1.0, 3.0], "float32"))
     assert y.detach().cpu().numpy().tolist() == [0.0, 6.0]
     assert calls == ["layer_norm_trailing", "layer_norm_trailing", "dense_gelu", "relu_scale"], calls
+    inp = keras.Input((6, 8))
+    model = keras.Model(inp, keras.layers.LayerNormalization()(
+        keras.layers.Dense(8, activation="gelu")(inp)))
+    fused = flk.fuse(model)
+    assert [type(l).__name__ for l in fused.layers[1:]] == ["FusedLinearGELU", "LayerNorm"]
+    err = np.abs(keras.ops.convert_to_numpy(fused(x)) - keras.ops.convert_to_numpy(model(x))).max()
+    assert err < 1e-5, err
     print("ok")
 """)
 

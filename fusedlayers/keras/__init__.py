@@ -1,6 +1,7 @@
 """fusedlayers for Keras 3: FusedReLUScale, FusedLinearGELU and LayerNorm, drop-in for the
 Keras layers they replace, on the TensorFlow or the torch backend."""
 
+from .fuse import fuse
 from .layers import FusedLinearGELU, FusedReLUScale, LayerNorm
 
-__all__ = ["FusedLinearGELU", "FusedReLUScale", "LayerNorm"]
+__all__ = ["FusedLinearGELU", "FusedReLUScale", "LayerNorm", "fuse"]

@@ -21,13 +21,12 @@ stream is the same as without fuse(). The report of what was swapped and what wa
 why, is `model.fusedlayers_report` (printed with verbose=True).
 """
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..fuse_report import FuseReport
 from .layers import FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
@@ -36,22 +35,6 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3,
               torch.bfloat16: 3e-2}
 _TOLERANCE_TF32 = 2e-3  # float32 matmuls on TF32 (torch.backends.cuda.matmul.allow_tf32)
 _PROBE_ROWS = 5
-
-
-@dataclass
-class FuseReport:
-    """What fuse() swapped (module path, what it was, what it is now) and what it left (module
-    path, what it is, why it was left)."""
-    swapped: list[tuple[str, str, str]] = field(default_factory=list)
-    left: list[tuple[str, str, str]] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        lines = [f"fusedlayers.torch.fuse: {len(self.swapped)} swapped, {len(self.left)} left"]
-        for path, was, now in self.swapped:
-            lines.append(f"  swapped {path or '(model)'}: {was} -> {now}")
-        for path, what, why in self.left:
-            lines.append(f"  left    {path or '(model)'}: {what}: {why}")
-        return "\n".join(lines)
 
 
 def fuse(model: nn.Module, *, layer_norm: bool = True, linear_gelu: bool = True,

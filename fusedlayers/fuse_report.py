@@ -1,0 +1,20 @@
+"""The report that `fusedlayers.torch.fuse` and `fusedlayers.keras.fuse` leave on the model they
+return, as `model.fusedlayers_report`. Imports no framework."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FuseReport:
+    """What fuse() swapped (path, what it was, what it is now) and what it left (path, what it
+    is, why it was left)."""
+    swapped: list[tuple[str, str, str]] = field(default_factory=list)
+    left: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fusedlayers fuse: {len(self.swapped)} swapped, {len(self.left)} left"]
+        for path, was, now in self.swapped:
+            lines.append(f"  swapped {path or '(model)'}: {was} -> {now}")
+        for path, what, why in self.left:
+            lines.append(f"  left    {path or '(model)'}: {what}: {why}")
+        return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""`fuse(model)`: a clone of a Keras Sequential or functional model (keras.models.clone_model) with
+its `LayerNormalization` layers as `LayerNorm` and its `Dense` layers with a GELU activation as
+`FusedLinearGELU`, the weights copied. The GELU is recognised by what the activation computes
+(erf or tanh GELU on a float64 probe from -100 to 100), not by its name; each swapped layer is
+checked against the original on a probe input and, if it differs, left as it was and reported,
+as is the whole model's output. The report is `clone.fusedlayers_report`.
+"""
+
+import math
+
+import keras
+import numpy as np
+
+from ..fuse_report import FuseReport
+from .layers import FusedLinearGELU, LayerNorm
+
+# ||fused - original|| / ||original|| allowed on a probe, per compute dtype.
+_TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+_PROBE_ROWS = 5
+# Dense's configuration that FusedLinearGELU takes as is (all of it but the activation and LoRA).
+_DENSE_KEYS = ("units", "use_bias", "kernel_initializer", "bias_initializer",
+               "kernel_regularizer", "bias_regularizer", "activity_regularizer",
+               "kernel_constraint", "bias_constraint", "name", "dtype", "trainable")
+
+
+def fuse(model: keras.Model, *, layer_norm: bool = True, linear_gelu: bool = True,
+         verbose: bool = False) -> keras.Model:
+    """A clone of `model` with LayerNormalization -> LayerNorm and Dense(activation=GELU) ->
+    FusedLinearGELU (same names, configs and weights); `model` itself is left unchanged.
+
+    model: a built Sequential or functional keras.Model (subclassed models cannot be cloned:
+    swap their layers in their code). Returns the clone; its `fusedlayers_report` lists what was
+    swapped and what was left, and why (printed when verbose). Raises TypeError for anything
+    else than a built Sequential or functional model.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"fusedlayers.keras.fuse: model must be a keras.Model, got "
+                        f"{type(model).__module__}.{type(model).__qualname__}")
+    if not getattr(model, "inputs", None):  # subclassed, or a Sequential without an Input
+        raise TypeError(f"fusedlayers.keras.fuse: model must be a Sequential or functional model "
+                        f"with a keras.Input; {type(model).__qualname__} has no symbolic inputs "
+                        f"(a subclassed model cannot be cloned: use fusedlayers.keras layers in "
+                        f"its code instead)")
+    excluded, probe_left = set(), []  # layers whose swap failed its probe: cloned as they are
+    while True:
+        swaps, left = {}, []
+        try:
+            clone = keras.models.clone_model(
+                model, recursive=True, clone_function=lambda layer: _swap(
+                    layer, swaps, excluded, left, layer_norm, linear_gelu))
+        except ValueError as e:  # clone_model refuses subclassed models
+            raise TypeError(f"fusedlayers.keras.fuse: model must be a Sequential or functional "
+                            f"model; {type(model).__qualname__} cannot be cloned ({e}); use "
+                            f"fusedlayers.keras layers in its code instead") from e
+        clone.set_weights(model.get_weights())
+        if not _verify(swaps, excluded, probe_left):
+            break
+    report = FuseReport([(name, was, now) for name, (was, now, _) in swaps.items()],
+                        probe_left + left)
+    _check_model(model, clone)
+    clone.fusedlayers_report = report
+    if verbose:
+        print(report)
+    return clone
+
+
+def _gelu_form(activation) -> str | None:
+    """'none' or 'tanh' when `activation` computes erf or tanh GELU, else None."""
+    x = np.concatenate([np.linspace(-8, 8, 513), [-100.0, -20.0, 20.0, 100.0]])
+    try:
+        y = keras.ops.convert_to_numpy(activation(keras.ops.convert_to_tensor(x, "float64")))
+    except Exception:  # not an elementwise function of one tensor
+        return None
+    erf = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
+    tanh = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    for form, ref in (("none", erf), ("tanh", tanh)):
+        # TensorFlow's float64 GELU is within 5e-9 of exact; erf and tanh differ by 5e-4.
+        if y.shape == x.shape and np.allclose(y, ref, rtol=1e-7, atol=1e-7):
+            return form
+    return None
+
+
+def _swap(layer, swaps, excluded, left, layer_norm, linear_gelu):
+    config = layer.get_config()
+    if layer.name in excluded:
+        return layer.__class__.from_config(config)
+    if layer_norm and type(layer) is keras.layers.LayerNormalization:
+        new = LayerNorm.from_config(config)
+        swaps[layer.name] = ("LayerNormalization", "LayerNorm", (layer, new))
+        return new
+    if linear_gelu and type(layer) is keras.layers.Dense:
+        form = _gelu_form(layer.activation)
+        if form is not None:
+            if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+                left.append((layer.name, "Dense(GELU)", "LoRA or quantized: not fused"))
+                return layer.__class__.from_config(config)
+            new = FusedLinearGELU.from_config(
+                {k: v for k, v in config.items() if k in _DENSE_KEYS} |
+                {"approximate": form == "tanh"})
+            swaps[layer.name] = (f"Dense(GELU {form})", "FusedLinearGELU", (layer, new))
+            return new
+    if type(layer) is keras.layers.Activation and _gelu_form(layer.activation) is not None:
+        left.append((layer.name, "Activation(GELU)",
+                            "a separate activation layer: give the Dense before it "
+                            "activation='gelu' to fuse the pair"))
+    return layer.__class__.from_config(config)
+
+
+def _rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / (den if den > 0 else 1.0))
+
+
+def _probe(shape, dtype, seed):
+    x = np.random.default_rng(seed).normal(size=shape).astype("float32")
+    return keras.ops.cast(keras.ops.convert_to_tensor(x), dtype)
+
+
+def _verify(swaps, excluded, left) -> bool:
+    """Each swapped layer against its original on a probe; True when one differs (it is then
+    excluded, reported, and the model cloned again)."""
+    failed = False
+    for name, (was, now, (old, new)) in swaps.items():
+        x = _probe(tuple(d or _PROBE_ROWS for d in old.input.shape), old.compute_dtype, 0)
+        try:
+            err = _rel_err(keras.ops.convert_to_numpy(keras.ops.cast(new(x), "float32")),
+                           keras.ops.convert_to_numpy(keras.ops.cast(old(x), "float32")))
+            why = f"probe mismatch (relative error {err:.1e})"
+        except Exception as e:
+            err, why = float("inf"), f"the fused op fails on it: {e}"
+        if err > _TOLERANCE.get(old.compute_dtype, 0.0):
+            left.append((name, was, why))
+            excluded.add(name)
+            failed = True
+    return failed
+
+
+def _check_model(model, clone) -> None:
+    """The whole clone against the original on one probe batch (inference mode)."""
+    inputs = [_probe(tuple(d or 2 for d in t.shape), t.dtype, i) if "float" in str(t.dtype)
+              else np.zeros(tuple(d or 2 for d in t.shape), str(t.dtype))
+              for i, t in enumerate(model.inputs)]
+    inputs = inputs[0] if len(inputs) == 1 else inputs
+    err, tol = 0.0, 0.0
+    for got, ref in zip(keras.tree.flatten(clone(inputs)), keras.tree.flatten(model(inputs))):
+        err = max(err, _rel_err(keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")),
+                                keras.ops.convert_to_numpy(keras.ops.cast(ref, "float32"))))
+        tol = max(tol, 10 * _TOLERANCE.get(keras.backend.standardize_dtype(ref.dtype), 0.0))
+    if err > tol:
+        raise RuntimeError(f"fusedlayers.keras.fuse: the fused model's output differs from the "
+                           f"original's by {err:.1e} (relative) although each swapped layer "
+                           f"matched its own; please report this model")
