@@ -206,11 +206,14 @@ def test_not_gelu_not_linear_not_swapped():
     assert seq.fusedlayers_report.swapped == [] and seq.fusedlayers_report.left == []
 
 
-def test_hooked_linear_left():
+def test_hooked_linear_left_and_not_probed():
     seq = nn.Sequential(nn.Linear(4, 4), nn.GELU())
-    seq[0].register_forward_hook(lambda m, i, o: None)
+    calls = []
+    seq[0].register_forward_hook(lambda m, i, o: calls.append(1))
     fuse(seq)
-    assert isinstance(seq[0], nn.Linear)
+    assert isinstance(seq[0], nn.Linear) and calls == []
+    (left,) = seq.fusedlayers_report.left
+    assert "hooks" in left[2]
 
 
 def test_probe_mismatch_is_not_swapped():

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..fuse_report import FuseReport
 from .layers import FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm
@@ -73,8 +74,7 @@ def _has_state_hooks(module: nn.Module) -> bool:
     """Hooks or parametrizations that a swapped-in module would silently drop."""
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
              "_state_dict_hooks", "_load_state_dict_pre_hooks")
-    return any(getattr(module, h, None) for h in hooks) or \
-        torch.nn.utils.parametrize.is_parametrized(module)
+    return any(getattr(module, h, None) for h in hooks) or parametrize.is_parametrized(module)
 
 
 def _stateless(module: nn.Module) -> bool:
@@ -288,11 +288,16 @@ def _fuse_pair(parent: nn.Module, parent_path: str, act: torch.fx.Node, form: st
     if not (isinstance(producer, torch.fx.Node) and producer.op == "call_module"):
         return  # a GELU fed by something else than a module: nothing to fuse with
     linear = parent.get_submodule(producer.target)
+    lin_path = _join(parent_path, producer.target)
+    what = f"{_describe(linear)} + {_describe(getattr(parent, act.target))}"
+    weight = linear._parameters.get("weight")
+    if isinstance(weight, nn.Parameter) and weight.dim() == 2 and _has_state_hooks(linear):
+        report.left.append((lin_path, what, "has hooks or parametrizations, which the fused "
+                                            "module would drop"))
+        return  # not probed either: that would run the hooks
     layout = _linear_layout(linear)
     if layout is None:
         return  # the GELU follows a module that is not a linear layer
-    lin_path = _join(parent_path, producer.target)
-    what = f"{_describe(linear)} + {_describe(getattr(parent, act.target))}"
     reason = None
     if len(producer.users) != 1:
         reason = f"the {producer.target} output also feeds {len(producer.users) - 1} other node(s)"
