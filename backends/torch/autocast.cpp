@@ -21,32 +21,29 @@ using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 template <c10::DeviceType Device>
 at::Tensor linear_gelu_autocast(const at::Tensor& input, const at::Tensor& weight,
                                 const OptTensor& bias, c10::string_view approximate) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedlayers::linear_gelu", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                               const OptTensor&, c10::string_view)>();
+  static const auto fwd =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view)>(
+          "linear_gelu");
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(Device));
   const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(Device);
-  return op.call(at::autocast::cached_cast(dtype, input, Device),
-                 at::autocast::cached_cast(dtype, weight, Device),
-                 at::autocast::cached_cast(dtype, bias, Device), approximate);
+  return fwd.call(at::autocast::cached_cast(dtype, input, Device),
+                  at::autocast::cached_cast(dtype, weight, Device),
+                  at::autocast::cached_cast(dtype, bias, Device), approximate);
 }
 
 Tensor3 layer_norm_autocast_cuda(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                                  const OptTensor& weight, const OptTensor& bias, double eps,
                                  bool memory_efficient, bool subtract_mean) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fusedlayers::layer_norm", "")
-          .typed<Tensor3(const at::Tensor&, c10::SymIntArrayRef, const OptTensor&,
-                         const OptTensor&, double, bool, bool)>();
+  static const auto fwd =
+      op<Tensor3(const at::Tensor&, c10::SymIntArrayRef, const OptTensor&, const OptTensor&,
+                 double, bool, bool)>("layer_norm");
   constexpr auto kCUDA = c10::DeviceType::CUDA;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
-  return op.call(at::autocast::cached_cast(at::kFloat, input, kCUDA), normalized_shape,
-                 at::autocast::cached_cast(at::kFloat, weight, kCUDA),
-                 at::autocast::cached_cast(at::kFloat, bias, kCUDA), eps, memory_efficient,
-                 subtract_mean);
+  return fwd.call(at::autocast::cached_cast(at::kFloat, input, kCUDA), normalized_shape,
+                  at::autocast::cached_cast(at::kFloat, weight, kCUDA),
+                  at::autocast::cached_cast(at::kFloat, bias, kCUDA), eps, memory_efficient,
+                  subtract_mean);
 }
 
 }  // namespace

@@ -14,6 +14,8 @@
 #include <string>
 #include <type_traits>
 
+#include "backends/torch/binding.h"
+
 namespace fusedlayers {
 namespace torch_binding {
 namespace {
@@ -23,14 +25,6 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<at::Tensor>;
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-// The typed dispatcher handle of fusedlayers::<name>, looked up once.
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton()
-      .findSchemaOrThrow((std::string("fusedlayers::") + name).c_str(), "")
-      .typed<Signature>();
-}
 
 // A new Node of type T, held as the torch version holds Nodes: std::shared_ptr with
 // torch::autograd::deleteNode (no deep recursion on release) up to torch 2.12, intrusive_ptr since.

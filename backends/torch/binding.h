@@ -20,6 +20,15 @@ namespace torch_binding {
 
 inline std::string describe(at::ScalarType t) { return c10::toString(t); }
 
+// The typed dispatcher handle of fusedlayers::<name>; callers keep it in a function static, so
+// the lookup happens once.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow((std::string("fusedlayers::") + name).c_str(), "")
+      .typed<Signature>();
+}
+
 inline DType to_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return DType::kFloat32;
