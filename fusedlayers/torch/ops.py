@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _library
+from . import _library, inductor
 
 _LOAD_ERROR = _library.load()
 
@@ -158,3 +158,4 @@ def _register() -> None:
 
 if _LOAD_ERROR is None:
     _register()
+    inductor.install()
