@@ -4,6 +4,7 @@ the same thing.
 
     python examples/train_keras.py                   # TensorFlow backend, CPU, 20 epochs per run
     python examples/train_keras.py --help            # epochs, batch size, seed, plot
+    python examples/train_keras.py --distributed     # tf.distribute.MirroredStrategy, 2 replicas
 
 The model is the one of examples/train_torch.py (8x8 images -> 16 tokens of 2x2 patches -> 3
 Mixer blocks -> mean pool -> head), trained the same way (AdamW, cosine decay to zero, label
@@ -23,6 +24,12 @@ stay at rounding level: the per-epoch train losses (Keras' float32 running means
 with status 1 if either run ends below 90% held-out accuracy or if any epoch's losses differ by
 more than LOSS_RTOL (1e-2) relative, the bar of train_torch.py, so it doubles as an end-to-end
 check of forward, backward and parameter updates through Keras.
+
+With --distributed both models are built, compiled and fitted under
+`tf.distribute.MirroredStrategy` over two logical CPU devices (or the GPUs TensorFlow sees):
+each global batch is split across the replicas and their gradients are summed by TensorFlow's
+own all-reduce, so the losses equal a single-device run's up to summation order (--json
+writes them for comparing).
 """
 
 import os
@@ -32,7 +39,8 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
-import math
+import contextlib
+import json
 import statistics
 import sys
 import time
@@ -118,7 +126,7 @@ class StepTimer(keras.callbacks.Callback):
 
 def train(name: str, model: keras.Model, args, x_train, y_train, x_test, y_test):
     """Compiles and fits `model`; returns its History and step times."""
-    steps = args.epochs * math.ceil(len(x_train) / args.batch_size)
+    steps = args.epochs * (len(x_train) // args.batch_size)
     model.compile(
         # Cosine decay to zero: no late loss spikes, which would amplify the runs' rounding
         # differences into visibly different curves. epsilon as torch's AdamW.
@@ -131,16 +139,23 @@ def train(name: str, model: keras.Model, args, x_train, y_train, x_test, y_test)
         # The fused ops have no XLA kernels, so the fused model cannot use XLA; on a GPU,
         # jit_compile="auto" would still XLA-compile the unfused one. Compare like with like.
         jit_compile=False)
-    # fit(shuffle=True) on arrays repeats one permutation every epoch under a fixed global seed;
-    # a seeded tf.data shuffle draws a new one per epoch, the same sequence for both runs once
-    # the global seed is reset here.
+    # A new permutation every epoch, drawn by NumPy from the seed: the same batches for both
+    # runs and under MirroredStrategy (a seeded tf.data shuffle draws other orders once the
+    # strategy rewrites the dataset). One stream of all epochs' batches, read epoch by epoch.
+    # Each epoch's last partial batch is left out: replicas average their own batch means, which
+    # equals the global batch mean only when the batch splits evenly.
+    rng = np.random.default_rng(args.seed)
+    orders = np.stack([rng.permutation(len(x_train)) for _ in range(args.epochs)])
+    x, y = tf.constant(x_train), tf.constant(y_train)
+    batches = (tf.data.Dataset.from_tensor_slices(orders)
+               .flat_map(lambda order: tf.data.Dataset.from_tensor_slices(order)
+                         .batch(args.batch_size, drop_remainder=True))
+               .map(lambda idx: (tf.gather(x, idx), tf.gather(y, idx))))
     keras.utils.set_random_seed(args.seed)
-    batches = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-               .shuffle(len(x_train), seed=args.seed, reshuffle_each_iteration=True)
-               .batch(args.batch_size))
     timer = StepTimer()
     print(f"--- {name} ---")
     history = model.fit(batches, epochs=args.epochs, validation_data=(x_test, y_test),
+                        steps_per_epoch=len(x_train) // args.batch_size,
                         callbacks=[timer], shuffle=False,  # `batches` shuffles
                         verbose=2)
     return history.history, timer.times
@@ -169,11 +184,33 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="train_keras_loss.png", help="loss-curve PNG path")
+    parser.add_argument("--json", metavar="PATH", help="also write the per-epoch losses and "
+                                                       "accuracies as JSON")
+    parser.add_argument("--distributed", action="store_true",
+                        help="tf.distribute.MirroredStrategy over 2 logical CPU devices (or "
+                             "the GPUs)")
     args = parser.parse_args()
+    scope = mirrored().scope() if args.distributed else contextlib.nullcontext()
+    with scope:
+        return run(args)
 
+
+def mirrored() -> tf.distribute.MirroredStrategy:
+    """MirroredStrategy over the GPUs, or over the CPU split into two logical devices."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return tf.distribute.MirroredStrategy()
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    return tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+
+
+def run(args) -> int:
     x_train, x_test, y_train, y_test = load_data()
+    strategy = tf.distribute.get_strategy()
     print(f"digits: {len(x_train)} train / {len(x_test)} held-out images, Keras "
-          f"{keras.__version__} ({keras.backend.backend()} backend), seed {args.seed}")
+          f"{keras.__version__} ({keras.backend.backend()} backend), seed {args.seed}, "
+          f"{strategy.num_replicas_in_sync} replica(s)")
 
     keras.utils.set_random_seed(args.seed)
     unfused_model = build_mixer(fused=False)
@@ -218,6 +255,11 @@ def main() -> int:
 
     save_plot(args.plot, unfused, fused)
     print(f"loss curves saved to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"replicas": tf.distribute.get_strategy().num_replicas_in_sync,
+                       **{name: {"loss": h["loss"], "accuracy": h["val_accuracy"]}
+                          for name, h in (("unfused", unfused), ("fused", fused))}}, f, indent=1)
 
     failures = [f"{name} held-out accuracy {acc:.4f} < {MIN_ACCURACY}"
                 for name, acc in (("unfused", u_acc), ("fused", f_acc)) if acc < MIN_ACCURACY]

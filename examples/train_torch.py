@@ -4,6 +4,7 @@ layers and once with fusedlayers, and check that both runs learn the same thing.
     python examples/train_torch.py                   # CPU, 20 epochs per run
     python examples/train_torch.py --device cuda     # on a CUDA machine
     python examples/train_torch.py --help            # epochs, batch size, seed, threads, plot
+    torchrun --nproc-per-node 2 examples/train_torch.py --distributed ddp    # or fsdp
 
 The model (8x8 images -> 16 tokens of 2x2 patches -> 3 Mixer blocks -> mean pool -> head) uses
 the three fused ops where their unfused counterparts would be: LayerNorm, Linear+GELU as the
@@ -26,10 +27,19 @@ forward, backward and parameters train like the unfused ones (the per-op accurac
 job). Training is chaotic, though: longer runs (e.g. --epochs 40) or a higher learning rate can
 let one run's loss bump an epoch before the other's, and the curves then drift to ~1e-2
 relative without anything being wrong; the tolerance is set for the defaults.
+
+Distributed (--distributed ddp|fsdp, under torchrun): both models are wrapped in PyTorch's own
+engines, DistributedDataParallel or FSDP2 (`torch.distributed.fsdp.fully_shard`, per Mixer
+block and the whole model), over gloo on the CPU or NCCL on GPUs. Every global batch is split
+across the ranks and each rank's loss is its share of the global batch's mean, so the gradients
+the engine averages are those of a single process on the same global batch: the losses equal a
+single-process run's up to summation order (--json writes them for comparing).
 """
 
 import argparse
+import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -40,6 +50,7 @@ matplotlib.use("Agg")  # headless: only writes a file
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 import torch
+import torch.distributed as dist
 from einops.layers.torch import Rearrange
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -135,26 +146,32 @@ class Run:
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=steps)
         self.order = torch.Generator().manual_seed(args.seed)
         self.losses, self.accuracies, self.step_times = [], [], []
-        self.bar = tqdm(total=args.epochs, desc=f"{name:>7}", unit="epoch", position=position)
+        self.bar = tqdm(total=args.epochs, desc=f"{name:>7}", unit="epoch", position=position,
+                        disable=rank() != 0)
 
     def epoch(self, x_train, y_train, x_test, y_test) -> None:
         device = x_train.device
         self.model.train()
-        total = 0.0
-        for idx in torch.randperm(len(x_train), generator=self.order).split(self.batch_size):
-            idx = idx.to(device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for batch in torch.randperm(len(x_train), generator=self.order).split(self.batch_size):
+            # This rank's share of the global batch; the engine averages the gradients over
+            # the ranks, hence the factor world_size.
+            idx = batch.tensor_split(world_size())[rank()].to(device)
             sync(device)
             start = time.perf_counter()
-            loss = nn.functional.cross_entropy(self.model(x_train[idx]), y_train[idx],
-                                               label_smoothing=LABEL_SMOOTHING)
+            loss_sum = nn.functional.cross_entropy(self.model(x_train[idx]), y_train[idx],
+                                                   label_smoothing=LABEL_SMOOTHING,
+                                                   reduction="sum")
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss_sum * (world_size() / len(batch))).backward()
             self.optimizer.step()
             self.schedule.step()
             sync(device)
             self.step_times.append(time.perf_counter() - start)
-            total += loss.item() * len(idx)
-        self.losses.append(total / len(x_train))
+            total += loss_sum.detach()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        self.losses.append(total.item() / len(x_train))
         self.model.eval()
         with torch.no_grad():
             correct = (self.model(x_test).argmax(dim=1) == y_test).float().mean().item()
@@ -194,18 +211,59 @@ def setup(description: str, plot: str, epochs: int = 20):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--plot", default=plot, help="loss-curve PNG path")
+    parser.add_argument("--json", metavar="PATH", help="also write the per-epoch losses and "
+                                                       "accuracies as JSON")
+    parser.add_argument("--distributed", choices=("ddp", "fsdp"),
+                        help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA "
                      f"device; run on a CUDA machine or use --device cpu")
+    if args.distributed:
+        if "LOCAL_RANK" not in os.environ:
+            parser.error("--distributed: launch with torchrun, e.g. "
+                         "`torchrun --nproc-per-node 2 examples/train_torch.py --distributed ddp`")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if args.threads:
         torch.set_num_threads(args.threads)
     data = load_data(device)
-    print(f"digits: {len(data[0])} train / {len(data[2])} held-out images, device {device}, "
-          f"{torch.get_num_threads()} CPU threads, seed {args.seed}")
+    say(f"digits: {len(data[0])} train / {len(data[2])} held-out images, device {device}, "
+        f"{torch.get_num_threads()} CPU threads, seed {args.seed}"
+        + (f", {args.distributed} over {world_size()} processes" if args.distributed else ""))
     return args, device, data
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def say(*args, **kwargs) -> None:
+    """print, on the first rank only."""
+    if rank() == 0:
+        print(*args, **kwargs)
+
+
+def distribute(model: nn.Module, engine: str | None, device: torch.device) -> nn.Module:
+    """The model under PyTorch's DistributedDataParallel or FSDP2 (each child of a `blocks`
+    container sharded on its own, then the whole model), or as it is."""
+    if engine == "ddp":
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    if engine == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for block in getattr(model, "blocks", []):
+            fully_shard(block)
+        return fully_shard(model)
+    return model
 
 
 def main() -> int:
@@ -217,8 +275,8 @@ def main() -> int:
     same = all(torch.equal(a, b) for a, b in zip(unfused_model.state_dict().values(),
                                                   fused_model.state_dict().values()))
     n_params = sum(p.numel() for p in unfused_model.parameters())
-    print(f"{n_params} parameters; fused model starts from the unfused weights: "
-          f"{'identical' if same else 'DIFFERENT'}\n")
+    say(f"{n_params} parameters; fused model starts from the unfused weights: "
+        f"{'identical' if same else 'DIFFERENT'}\n")
 
     return compare(unfused_model, fused_model, args, data,
                    f"MLP-Mixer on sklearn digits ({device.type}): unfused vs fused",
@@ -231,16 +289,20 @@ def compare(unfused_model: nn.Module, fused_model: nn.Module, args, data, title:
     saves the loss-curve plot, and returns the exit status: 1 on any failure (those given, a
     run below MIN_ACCURACY, first-epoch losses further apart than FIRST_EPOCH_RTOL, loss curves
     further apart than loss_rtol)."""
-    print(f"{'epoch':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10} "
-          f"{'unfused acc':>12} {'fused acc':>10}")
-    unfused = Run("unfused", unfused_model, args, len(data[0]), position=0)
-    fused = Run("fused", fused_model, args, len(data[0]), position=1)
+    say(f"{'epoch':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10} "
+        f"{'unfused acc':>12} {'fused acc':>10}")
+    device = data[0].device
+    unfused = Run("unfused", distribute(unfused_model, args.distributed, device), args,
+                  len(data[0]), position=0)
+    fused = Run("fused", distribute(fused_model, args.distributed, device), args, len(data[0]),
+                position=1)
     for epoch in range(1, args.epochs + 1):
         unfused.epoch(*data)
         fused.epoch(*data)
         ul, fl = unfused.losses[-1], fused.losses[-1]
-        tqdm.write(f"{epoch:>5} {ul:>13.6f} {fl:>13.6f} {abs(ul - fl):>10.2e} "
-                   f"{unfused.accuracies[-1]:>12.4f} {fused.accuracies[-1]:>10.4f}")
+        if rank() == 0:
+            tqdm.write(f"{epoch:>5} {ul:>13.6f} {fl:>13.6f} {abs(ul - fl):>10.2e} "
+                       f"{unfused.accuracies[-1]:>12.4f} {fused.accuracies[-1]:>10.4f}")
     unfused.bar.close()
     fused.bar.close()
 
@@ -249,17 +311,23 @@ def compare(unfused_model: nn.Module, fused_model: nn.Module, args, data, title:
     diffs = [abs(ul - fl) for ul, fl in zip(unfused.losses, fused.losses)]
     rels = [d / ul for d, ul in zip(diffs, unfused.losses)]
     max_rel = max(rels)
-    print(f"\n{'':<24}{'unfused':>10}{'fused':>10}")
-    print(f"{'held-out accuracy':<24}{unfused.accuracies[-1]:>10.4f}{fused.accuracies[-1]:>10.4f}")
-    print(f"{'final train loss':<24}{unfused.losses[-1]:>10.5f}{fused.losses[-1]:>10.5f}")
-    print(f"{'ms / step (median)':<24}{u_ms:>10.3f}{f_ms:>10.3f}")
-    print(f"{'speedup (fused)':<24}{u_ms / f_ms:>19.2f}x")
-    print(f"{'max |loss diff|':<24}{max(diffs):>20.2e}")
-    print(f"{'first-epoch rel. diff':<24}{rels[0]:>20.2e}   (tolerance {FIRST_EPOCH_RTOL:.0e})")
-    print(f"{'max relative loss diff':<24}{max_rel:>20.2e}   (tolerance {loss_rtol:.0e})")
+    say(f"\n{'':<24}{'unfused':>10}{'fused':>10}")
+    say(f"{'held-out accuracy':<24}{unfused.accuracies[-1]:>10.4f}{fused.accuracies[-1]:>10.4f}")
+    say(f"{'final train loss':<24}{unfused.losses[-1]:>10.5f}{fused.losses[-1]:>10.5f}")
+    say(f"{'ms / step (median)':<24}{u_ms:>10.3f}{f_ms:>10.3f}")
+    say(f"{'speedup (fused)':<24}{u_ms / f_ms:>19.2f}x")
+    say(f"{'max |loss diff|':<24}{max(diffs):>20.2e}")
+    say(f"{'first-epoch rel. diff':<24}{rels[0]:>20.2e}   (tolerance {FIRST_EPOCH_RTOL:.0e})")
+    say(f"{'max relative loss diff':<24}{max_rel:>20.2e}   (tolerance {loss_rtol:.0e})")
 
-    save_plot(args.plot, unfused, fused, title, loss_rtol)
-    print(f"loss curves saved to {args.plot}")
+    if rank() == 0:
+        save_plot(args.plot, unfused, fused, title, loss_rtol)
+        print(f"loss curves saved to {args.plot}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"processes": world_size(),
+                           **{run.name: {"loss": run.losses, "accuracy": run.accuracies}
+                              for run in (unfused, fused)}}, f, indent=1)
 
     failures = failures + [f"{run.name} held-out accuracy {run.accuracies[-1]:.4f} < "
                            f"{MIN_ACCURACY}" for run in (unfused, fused)
@@ -270,9 +338,11 @@ def compare(unfused_model: nn.Module, fused_model: nn.Module, args, data, title:
     if max_rel > loss_rtol:
         failures.append(f"loss curves differ by {max_rel:.2e} relative > {loss_rtol:.0e}")
     for failure in failures:
-        print(f"FAIL: {failure}", file=sys.stderr)
+        say(f"FAIL: {failure}", file=sys.stderr)
     if not failures:
-        print("OK: both runs reach the accuracy bar and their loss curves agree")
+        say("OK: both runs reach the accuracy bar and their loss curves agree")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 1 if failures else 0
 
 

@@ -1,0 +1,61 @@
+"""The examples under the frameworks' own distributed engines: `examples/train_torch.py
+--distributed ddp|fsdp` on two processes (torchrun, gloo on the CPU) and `examples/train_keras.py
+--distributed` (tf.distribute.MirroredStrategy over two logical CPU devices) pass the examples'
+own checks (fused against unfused), and their losses equal a single-process run on the same
+global batches up to summation order."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+EPOCHS = 8  # enough for the example's 90% accuracy bar
+RTOL = 1e-5  # the example's first-epoch bound: the same function up to float32 rounding
+
+
+def train(tmp_path: Path, name: str, launcher: list[str], example: str, extra=()) -> dict:
+    out = tmp_path / f"{name}.json"
+    cmd = [*launcher, str(EXAMPLES / example), "--epochs", str(EPOCHS), "--json", str(out),
+           "--plot", str(tmp_path / f"{name}.png"), *extra]
+    # The checkout first on the path: the example imports this fusedlayers, installed or not.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+def assert_same_training(runs: dict, single: dict, what: str) -> None:
+    for model in ("unfused", "fused"):
+        ours, ref = runs[model]["loss"], single[model]["loss"]
+        assert len(ours) == len(ref) == EPOCHS
+        rel = [abs(a - b) / b for a, b in zip(ours, ref)]
+        assert max(rel) <= RTOL, f"{what} {model}: losses differ from one process by {rel}"
+        assert runs[model]["accuracy"] == single[model]["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def single_torch(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), "single", [sys.executable], "train_torch.py")
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_torch_two_processes_train_like_one(engine, single_torch, tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]
+    runs = train(tmp_path, engine, torchrun, "train_torch.py", ["--distributed", engine])
+    assert runs["processes"] == 2
+    assert_same_training(runs, single_torch, engine)
+
+
+def test_keras_mirrored_strategy_trains_like_one_device(tmp_path):
+    pytest.importorskip("tensorflow")
+    single = train(tmp_path, "single", [sys.executable], "train_keras.py")
+    mirrored = train(tmp_path, "mirrored", [sys.executable], "train_keras.py", ["--distributed"])
+    assert (single["replicas"], mirrored["replicas"]) == (1, 2)
+    assert_same_training(mirrored, single, "MirroredStrategy")
