@@ -1,11 +1,27 @@
 """Shared fixtures: a fresh random seed per test (reported when the test fails, and fixable with
-FUSEDLAYERS_TEST_SEED=<seed> to reproduce), and thread-count restoration."""
+FUSEDLAYERS_TEST_SEED=<seed> to reproduce), and thread-count restoration; and the one guard on
+the optional frameworks: TensorFlow's and Keras' tests skip where those are not installed, so
+where they are installed but do not import, the session fails instead of turning half the suite
+into skips."""
 
+import importlib
+import importlib.util
 import os
 import random
 
 import pytest
 import torch
+
+
+def pytest_sessionstart(session):
+    for name in ("tensorflow", "keras"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # whatever the import raises, the tests would only be skipped
+            pytest.exit(f"{name} is installed but does not import ({type(e).__name__}: {e}); "
+                        f"its tests would all be skipped", returncode=1)
 
 
 @pytest.fixture(autouse=True)

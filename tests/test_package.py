@@ -180,3 +180,19 @@ def test_jit_build_matches_reference(tmp_path):
     """, cwd=root, env_extra={"PYTHONPATH": str(root), "FUSEDLAYERS_JIT": "1",
                               "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, isolate=True)
     assert "JIT OK" in out
+
+
+def test_broken_tensorflow_fails_the_test_session(tmp_path):
+    # A tensorflow that is installed but raises on import must not turn its tests into skips.
+    fake = tmp_path / "tensorflow"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('libtensorflow_framework.so.2: cannot "
+                                      "open shared object file')\n")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only",
+                             str(tests / "test_tf_ops.py")], capture_output=True, text=True,
+                            env=env, cwd=tests.parent, timeout=600)
+    assert result.returncode != 0
+    assert "tensorflow is installed but does not import" in result.stdout + result.stderr
