@@ -1,5 +1,5 @@
 """SavedModels using the fused ops: a tf.Module saved with tf.saved_model.save and a Keras model
-exported with model.export are reloaded in a fresh interpreter, which must import
+exported with model.export (and saved as a .keras file) are reloaded in a fresh interpreter, which must import
 fusedlayers.tensorflow before tf.saved_model.load (it loads the op library and registers the
 gradients); the reloaded functions' outputs and GradientTape gradients must equal the original's.
 
@@ -97,6 +97,13 @@ with tf.GradientTape() as tape:
     loss = tf.reduce_sum(yk * dy_k)
 out["keras_y"] = yk.numpy().tolist()
 out["keras_dx"] = tape.gradient(loss, x).numpy().tolist()
+
+# 3. The .keras file: fusedlayers.keras registers the layers with Keras' serialization.
+import keras
+import fusedlayers.keras  # noqa: F401
+loaded = keras.models.load_model(d + "/model.keras")
+out["dot_keras_layers"] = [type(layer).__name__ for layer in loaded.layers]
+out["dot_keras_y"] = loaded(x).numpy().tolist()
 print("RESULT" + json.dumps(out))
 """
 
@@ -111,6 +118,7 @@ def test_savedmodel_reload_in_fresh_process(rng, tmp_path):
         w.assign(rng.normal(tuple(w.shape), loc=1.0 if w.name == "gamma" else 0.0,
                             scale=0.3).astype(np.float32))
     model.export(os.path.join(d, "keras"), verbose=False)
+    model.save(os.path.join(d, "model.keras"))
 
     x = rng.normal((5, IN), loc=0.3).astype(np.float32)
     dy_m = rng.normal((5, HID)).astype(np.float32)
@@ -151,5 +159,7 @@ def test_savedmodel_reload_in_fresh_process(rng, tmp_path):
     np.testing.assert_allclose(np.array(got["module_dx_fn"], np.float32), g[0].numpy(), **tol)
     np.testing.assert_allclose(np.array(got["keras_y"], np.float32), yk.numpy(), **tol)
     np.testing.assert_allclose(np.array(got["keras_dx"], np.float32), dx_k.numpy(), **tol)
+    assert got["dot_keras_layers"] == [type(layer).__name__ for layer in model.layers]
+    np.testing.assert_array_equal(np.array(got["dot_keras_y"], np.float32), yk.numpy())
     # the gradients are not trivially zero
     assert np.abs(g[0].numpy()).max() > 0 and np.abs(dx_k.numpy()).max() > 0

@@ -48,7 +48,9 @@ bool needs_grad(std::initializer_list<const at::Tensor*> inputs) {
 
 // A backward op runs below autograd, like a native backward kernel, unless the backward is itself
 // being recorded (create_graph=True): then its autograd kernel (registered below) makes a second
-// derivative raise instead of being silently wrong.
+// derivative raise instead of being silently wrong. Saved variables are unpacked before the guard:
+// unpacking runs saved-tensor hooks, and activation checkpointing's recomputes the forward there,
+// which must record autograd as the original forward did.
 class BackwardGuard {
  public:
   BackwardGuard() {
@@ -73,8 +75,9 @@ struct ReluScaleBackward final : Node {
         op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("relu_scale_backward");
     std::lock_guard<std::mutex> lock(mutex_);
     if (!grads[0].defined()) return {at::Tensor()};
+    const at::Tensor m = mask.unpack();
     BackwardGuard guard;
-    return {bwd.call(grads[0], mask.unpack(), alpha)};
+    return {bwd.call(grads[0], m, alpha)};
   }
   void release_variables() override { mask.reset_data(); }
   std::string name() const override { return "fusedlayers::ReluScaleBackward"; }
@@ -94,12 +97,11 @@ struct LayerNormBackward final : Node {
     std::lock_guard<std::mutex> lock(mutex_);
     variable_list out(3);
     if (!grads[0].defined()) return out;  // only mean/rstd were used: nothing flows back
-    const at::Tensor x = saved.unpack(getptr());
+    const at::Tensor x = saved.unpack(getptr()), m = mean.unpack(), r = rstd.unpack();
+    const OptTensor w = unpack_if(weight, has_weight), b = unpack_if(bias, has_bias);
     BackwardGuard guard;
-    auto [dx, dw, db] = bwd.call(grads[0], x, mean.unpack(), rstd.unpack(),
-                                 x.sym_sizes().slice(x.dim() - norm_ndims),
-                                 unpack_if(weight, has_weight), unpack_if(bias, has_bias),
-                                 memory_efficient, subtract_mean);
+    auto [dx, dw, db] = bwd.call(grads[0], x, m, r, x.sym_sizes().slice(x.dim() - norm_ndims), w,
+                                 b, memory_efficient, subtract_mean);
     out[0] = std::move(dx);
     if (has_weight) out[1] = std::move(dw);
     if (has_bias) out[2] = std::move(db);
@@ -125,9 +127,9 @@ struct LinearGeluBackward final : Node {
     std::lock_guard<std::mutex> lock(mutex_);
     variable_list out(3);
     if (!grads[0].defined()) return out;
+    const at::Tensor x = input.unpack(), w = weight.unpack(), p = pre.unpack();
     BackwardGuard guard;
-    auto [dx, dw, db] = bwd.call(grads[0], input.unpack(), weight.unpack(), pre.unpack(),
-                                 has_bias, approximate);
+    auto [dx, dw, db] = bwd.call(grads[0], x, w, p, has_bias, approximate);
     out[0] = std::move(dx);
     out[1] = std::move(dw);
     if (has_bias) out[2] = std::move(db);

@@ -1,0 +1,96 @@
+"""Fused torch models in the rest of the PyTorch toolbox: activation checkpointing
+(torch.utils.checkpoint) gives the gradients of the plain model; state_dicts and torch.save files
+round-trip between fused and unfused models; torch.export of a fused model keeps the fused ops
+and runs."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fusedlayers.torch as flt
+from _helpers import assert_bitwise, rel_err
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP: LayerNorm -> Linear -> GELU -> Linear -> ReLU."""
+
+    def __init__(self, width=37, hidden=83):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width),
+                                 nn.ReLU())
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, depth=3, checkpointed=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock() for _ in range(depth))
+        self.checkpointed = checkpointed  # None, "reentrant" or "non-reentrant"
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = (checkpoint(block, x, use_reentrant=self.checkpointed == "reentrant")
+                 if self.checkpointed else block(x))
+        return x
+
+
+def fused_stack(**kwargs) -> Stack:
+    model = flt.fuse(Stack(**kwargs))
+    swapped = {type(m) for m in model.modules()}
+    assert {flt.LayerNorm, flt.FusedLinearGELU, flt.FusedReLUScale} <= swapped
+    return model
+
+
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    # Non-reentrant checkpointing recomputes the forward from inside the backward Nodes, when
+    # they unpack what they saved: that must still record autograd (backends/torch/autograd.cpp).
+    plain = fused_stack()
+    ckpt = fused_stack(checkpointed=mode)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 9, 37)
+    dy = torch.randn(4, 9, 37)
+    grads = []
+    for model in (plain, ckpt):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        (out * dy).sum().backward()  # reentrant checkpointing supports .backward() only
+        grads.append([xi.grad, *(p.grad for p in model.parameters()), out])
+    # The recomputation runs the same deterministic kernels on the same inputs.
+    for a, b in zip(*grads, strict=True):
+        assert_bitwise(a, b)
+
+
+def test_state_dict_round_trips_between_fused_and_unfused(tmp_path):
+    unfused, fused = Stack(), fused_stack()
+    assert fused.state_dict().keys() == unfused.state_dict().keys()
+    fused.load_state_dict(unfused.state_dict())  # strict: same keys and shapes
+    x = torch.randn(3, 5, 37)
+    assert rel_err(fused(x), unfused(x)) < 1e-6
+
+    path = tmp_path / "fused.pt"
+    torch.save(fused.state_dict(), path)
+    back = Stack()
+    back.load_state_dict(torch.load(path, weights_only=True))
+    for (name, a), b in zip(fused.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+    torch.save(fused, tmp_path / "module.pt")  # the whole module, pickled with its classes
+    whole = torch.load(tmp_path / "module.pt", weights_only=False)
+    assert_bitwise(whole(x), fused(x))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_torch_export_keeps_the_fused_ops_and_runs(train):
+    model = fused_stack().train(train)
+    x = torch.randn(2, 7, 37)
+    program = torch.export.export(model, (x,))
+    graph = str(program.graph)
+    for op in ("fusedlayers.layer_norm", "fusedlayers.linear_gelu", "fusedlayers.relu_scale"):
+        assert op in graph, f"{op} not in the exported graph"
+    x2 = torch.randn(2, 7, 37)
+    assert_bitwise(program.module()(x2), model(x2))
