@@ -57,6 +57,8 @@ else:
                              extra_compile_args=[*_sources.CXX_FLAGS, *openmp],
                              extra_link_args=openmp)
 
+EXAMPLES_REQUIRE = ["scikit-learn", "einops", "matplotlib", "tqdm", "transformers"]
+
 setup(
     name="fusedlayers",
     version=__version__,
@@ -66,8 +68,9 @@ setup(
     cmdclass={"build_ext": BuildWithTensorFlow},
     python_requires=">=3.10",
     extras_require={
-        "test": ["pytest", "numpy", "expecttest", "transformers"],
+        # The tests run the examples (distributed) and the bench's plots: they need theirs too.
+        "test": ["pytest", "numpy", "expecttest", *EXAMPLES_REQUIRE],
         "tensorflow": ["tensorflow-cpu==2.21.0"],
-        "examples": ["scikit-learn", "einops", "matplotlib", "tqdm", "transformers"],
+        "examples": EXAMPLES_REQUIRE,
     },
 )
