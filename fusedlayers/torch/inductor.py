@@ -9,8 +9,8 @@ host call. Measured on the H100 (HF ViT-base, batch 32, autocast): a fused model
 our kernels as extern calls ran at 0.84x of the compiled unfused model; with these
 decompositions it runs the same kernels as the compiled unfused model (README.md has the table).
 
-So under Inductor each op and its backward decompose into the unfused ops (what
-fusedlayers.reference computes), written with aten ops and returning exactly what the op returns,
+So under Inductor each op and its backward decompose into the unfused ops (fusedlayers.reference
+where it has them), written with aten ops and returning exactly what the op returns,
 for Inductor to fuse. Eager mode, other backends (aot_eager, cudagraphs) and torch.export keep the
 fused kernels: the decompositions live only in Inductor's table. Importing Inductor costs seconds,
 so the table is filled when Inductor is first imported, not when fusedlayers is.
@@ -23,12 +23,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .. import reference
+from .ops import _stat_dtype
+
 _TABLE_MODULE = "torch._inductor.decomposition"
 aten = torch.ops.aten
-
-
-def _relu_scale(x, alpha):
-    return torch.relu(x) * alpha
 
 
 def _relu_scale_with_mask(x, alpha):
@@ -40,7 +39,7 @@ def _relu_scale_with_mask(x, alpha):
     bits = keep.reshape(words, 32) << torch.arange(32, device=x.device, dtype=torch.int64)
     mask = bits.sum(-1)
     mask = torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)
-    return torch.relu(x) * alpha, mask
+    return reference.relu_scale(x, alpha), mask
 
 
 def _relu_scale_backward(grad_out, mask, alpha):
@@ -50,16 +49,12 @@ def _relu_scale_backward(grad_out, mask, alpha):
     return torch.where(keep, grad_out * alpha, torch.zeros_like(grad_out))
 
 
-def _acc_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _layer_norm(x, normalized_shape, weight, bias, eps, memory_efficient=False,
                 subtract_mean=True):
     # The math of csrc/layer_norm.h: statistics and output in float32 (float64 for float64),
     # returned in the leading shape; subtract_mean=False scales x itself (Keras' rms_scaling).
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
-    xf = x.to(_acc_dtype(x))
+    xf = x.to(_stat_dtype(x))
     var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
     rstd = torch.rsqrt(var + eps)
     out = ((xf - mean) if subtract_mean else xf) * rstd
@@ -78,7 +73,7 @@ def _layer_norm_backward(grad_out, saved, mean, rstd, normalized_shape, weight, 
     dims = list(range(saved.dim() - len(normalized_shape), saved.dim()))
     lead_dims = list(range(dims[0]))
     keep = (*mean.shape, *([1] * len(dims)))
-    acc = _acc_dtype(saved)
+    acc = _stat_dtype(saved)
     dy, s, rstd = grad_out.to(acc), saved.to(acc), rstd.reshape(keep)
     g = dy if weight is None else dy * weight
     if memory_efficient:  # saved is the output: x_hat = (y - beta) / gamma
@@ -97,10 +92,6 @@ def _layer_norm_backward(grad_out, saved, mean, rstd, normalized_shape, weight, 
     grad_weight = empty if weight is None else (dy * y_hat).sum(lead_dims).to(weight.dtype)
     grad_bias = empty if bias is None else dy.sum(lead_dims).to(bias.dtype)
     return grad_input.to(saved.dtype), grad_weight, grad_bias
-
-
-def _linear_gelu(x, weight, bias, approximate):
-    return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
 
 def _linear_gelu_with_pre(x, weight, bias, approximate):
@@ -122,12 +113,12 @@ def _linear_gelu_backward(grad_out, x, weight, pre, has_bias, approximate):
 
 
 DECOMPOSITIONS = {
-    "relu_scale": _relu_scale,
+    "relu_scale": reference.relu_scale,
     "relu_scale_with_mask": _relu_scale_with_mask,
     "relu_scale_backward": _relu_scale_backward,
     "layer_norm": _layer_norm,
     "layer_norm_backward": _layer_norm_backward,
-    "linear_gelu": _linear_gelu,
+    "linear_gelu": reference.linear_gelu,
     "linear_gelu_with_pre": _linear_gelu_with_pre,
     "linear_gelu_backward": _linear_gelu_backward,
 }

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _library, inductor
+from . import _library
 
 _LOAD_ERROR = _library.load()
 
@@ -158,4 +158,5 @@ def _register() -> None:
 
 if _LOAD_ERROR is None:
     _register()
+    from . import inductor  # imports this module's helpers: after they are defined
     inductor.install()
