@@ -234,6 +234,7 @@ void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y,
 
 size_t bias_gelu_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
   check_args("bias_gelu_backward", rows, cols, dtype);
+  if (cols == 0) return 0;  // nothing to reduce (and num_slabs would divide by zero blocks)
   int64_t slabs = 0;
   dispatch_half_float(dtype, [&](auto t) {  // enough for either launch: 16-byte vectors or not
     using T = decltype(t);
@@ -246,8 +247,8 @@ void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* 
                              void* workspace, int64_t rows, int64_t cols, GeluApprox approx,
                              DType dtype, cudaStream_t stream) {
   check_args("bias_gelu_backward", rows, cols, dtype);
-  if (dbias && !workspace) fail("bias_gelu_backward: workspace is null");
   if (cols == 0) return;
+  if (dbias && !workspace) fail("bias_gelu_backward: workspace is null");
   dispatch_half_float(dtype, [&](auto t) {
     using T = decltype(t);
     constexpr int kVec = 16 / sizeof(T);
