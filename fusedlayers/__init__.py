@@ -13,19 +13,34 @@ __version__ = "0.1.0"
 __all__ = ["layer_norm", "linear_gelu", "relu_scale"]
 
 
-def _backend(x, op: str):
-    """The module implementing `op` for x's framework. Raises TypeError for other types."""
+def _backend(x, op: str, **others):
+    """The module implementing `op` for x's framework. Raises TypeError for other types of x,
+    and when one of `others` (the op's other tensors, None where absent) is a tensor of another
+    framework: a torch op takes torch tensors only; a TensorFlow op takes anything
+    tf.convert_to_tensor does (NumPy arrays, lists), but not a torch tensor."""
     # x cannot be a tensor of a framework that is not imported yet.
     torch = sys.modules.get("torch")
+    tf = sys.modules.get("tensorflow")
     if torch is not None and isinstance(x, torch.Tensor):
+        for name, t in others.items():
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"fusedlayers.{op}: x is a torch.Tensor, so {name} must be one "
+                                f"too, got {_type_name(t)}")
         from .torch import ops
         return ops
-    tf = sys.modules.get("tensorflow")
     if tf is not None and isinstance(x, (tf.Tensor, tf.Variable)):
+        for name, t in others.items():
+            if torch is not None and isinstance(t, torch.Tensor):
+                raise TypeError(f"fusedlayers.{op}: x is a TensorFlow tensor, so {name} must "
+                                f"not be a torch.Tensor")
         from .tensorflow import ops
         return ops
     raise TypeError(f"fusedlayers.{op}: x must be a torch.Tensor, tf.Tensor or tf.Variable, "
-                    f"got {type(x).__module__}.{type(x).__qualname__}")
+                    f"got {_type_name(x)}")
+
+
+def _type_name(value) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def relu_scale(x, alpha: float):
@@ -38,11 +53,13 @@ def linear_gelu(x, weight, bias=None, approximate: str = "none"):
     """y = gelu(x @ weight^T + bias), weight (out_features, in_features); approximate 'none'
     (erf) or 'tanh'. See fusedlayers.torch.ops.linear_gelu (or
     fusedlayers.tensorflow.ops.linear_gelu) for shapes and errors."""
-    return _backend(x, "linear_gelu").linear_gelu(x, weight, bias, approximate)
+    ops = _backend(x, "linear_gelu", weight=weight, bias=bias)
+    return ops.linear_gelu(x, weight, bias, approximate)
 
 
 def layer_norm(x, normalized_shape: int | Sequence[int], weight=None, bias=None,
                eps: float = 1e-5):
     """Layer normalization over the trailing normalized_shape dims of x. See
     fusedlayers.torch.ops.layer_norm for shapes, dtypes and errors."""
-    return _backend(x, "layer_norm").layer_norm(x, normalized_shape, weight, bias, eps)
+    ops = _backend(x, "layer_norm", weight=weight, bias=bias)
+    return ops.layer_norm(x, normalized_shape, weight, bias, eps)

@@ -7,6 +7,7 @@ import keras
 from keras import constraints, initializers, ops, regularizers
 
 import fusedlayers
+from fusedlayers import _args
 
 
 def _fused(x, op: str):
@@ -29,7 +30,7 @@ class FusedReLUScale(_FusedLayer):
 
     def __init__(self, alpha: float = 1.0, **kwargs):
         super().__init__(**kwargs)
-        self.alpha = float(alpha)
+        self.alpha = _args.real("FusedReLUScale", "alpha", alpha)
 
     def call(self, inputs):
         return _fused(inputs, "relu_scale").relu_scale(inputs, self.alpha)

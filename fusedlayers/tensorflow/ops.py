@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from .. import _args
 from . import _library
 
 try:
@@ -22,6 +23,7 @@ except _library.OpLibraryNotBuiltError as e:  # importing must not fail; the fir
     _lib, _LOAD_ERROR = None, str(e)
 
 _FLOATS = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _invalid(message: str) -> tf.errors.InvalidArgumentError:
@@ -57,6 +59,7 @@ def relu_scale(x, alpha: float) -> tf.Tensor:
     and the gradient at a NaN input is dy * alpha (torch's convention; tf.nn.relu's is 0).
     alpha travels as a float32 op attribute, so float64 results use alpha rounded to float32."""
     (x,) = _prepare("relu_scale", x=x)
+    alpha = _args.real("fusedlayers.relu_scale", "alpha", alpha)
     if not math.isfinite(alpha):
         raise _invalid(f"fusedlayers.relu_scale: alpha must be finite, got {alpha}")
     return _lib.fusedlayers_relu_scale(x, alpha=float(alpha))[0]  # [1]: the mask for the gradient
@@ -102,7 +105,10 @@ def layer_norm(x, normalized_shape: int | Sequence[int], weight=None, bias=None,
     """Layer normalization over the trailing normalized_shape dims of x; same contract as the
     torch op (weight/bias of shape normalized_shape, x's dtype or float32 for half x). eps
     travels as a float32 op attribute (as TF's own normalization ops take it)."""
-    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    shape = list(_args.normalized_shape("fusedlayers.layer_norm", normalized_shape))
+    if any(d < 1 for d in shape):
+        raise _invalid(f"fusedlayers.layer_norm: normalized_shape must have positive sizes, "
+                       f"got {shape}")
     (xt,) = _prepare("layer_norm", x=x)
     rank = xt.shape.rank
     if rank is not None and (rank < len(shape) or any(
@@ -118,8 +124,10 @@ def layer_norm_trailing(x, norm_ndims: int, gamma=None, beta=None, eps: float = 
     tensors = {"x": x, **({"gamma": gamma} if gamma is not None else {}),
                **({"beta": beta} if beta is not None else {})}
     x, *params = _prepare("layer_norm", **tensors)
-    if not math.isfinite(eps) or eps < 0:
-        raise _invalid(f"fusedlayers.layer_norm: eps must be finite and >= 0, got {eps}")
+    eps = _args.real("fusedlayers.layer_norm", "eps", eps)
+    if not (0 <= eps <= _FLOAT32_MAX):  # the op attribute is float32 (NaN fails too)
+        raise _invalid(f"fusedlayers.layer_norm: eps must be finite and >= 0 as a float32 "
+                       f"(the op attribute's type), got {eps}")
     half = x.dtype in (tf.float16, tf.bfloat16)
     for name, t in zip([n for n in ("gamma", "beta") if n in tensors], params):
         if t.dtype != x.dtype and not (half and t.dtype == tf.float32):

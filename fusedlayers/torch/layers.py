@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import _args
 from . import ops
 
 
@@ -19,7 +20,7 @@ class FusedReLUScale(nn.Module):
 
     def __init__(self, alpha: float = 1.0):
         super().__init__()
-        self.alpha = float(alpha)
+        self.alpha = _args.real("FusedReLUScale", "alpha", alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.relu_scale_op(x, self.alpha)
@@ -121,10 +122,10 @@ class LayerNorm(nn.Module):
                  memory_efficient: bool = False, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        if isinstance(normalized_shape, int):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
-        self.eps, self.elementwise_affine = eps, elementwise_affine
+        self.normalized_shape = tuple(int(d) for d in _args.normalized_shape("LayerNorm",
+                                                                             normalized_shape))
+        self.eps = _args.real("LayerNorm", "eps", eps)
+        self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import _args
 from . import _library
 
 _LOAD_ERROR = _library.load()
@@ -46,10 +47,11 @@ def relu_scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """y = max(x, 0) * alpha, element-wise, bit-identical to `torch.relu(x) * alpha`.
 
     x: any shape and layout, float32/float64/float16/bfloat16. Returns a contiguous tensor of
-    x's shape and dtype. Raises TypeError for other dtypes, ValueError for a non-finite alpha.
+    x's shape and dtype. Raises TypeError for other dtypes or an alpha that is not a real
+    number, ValueError for a non-finite alpha.
     When x requires grad, autograd saves a bitmask of where x > 0 (1 bit per element), not x.
     """
-    return relu_scale_op(x, float(alpha))
+    return relu_scale_op(x, _args.real("fusedlayers.relu_scale", "alpha", alpha))
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -76,10 +78,11 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     normalized_shape, in x's dtype or float32 (for half x). Statistics in float32 (float64 for
     float64). memory_efficient=True saves the output instead of the input for the backward (as
     Apex does); it then needs a weight without zeros. Raises ValueError on shape/device/eps
-    errors and TypeError on dtype errors.
+    errors and TypeError on dtype errors or a normalized_shape / eps of the wrong type.
     """
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    return layer_norm_op(x, shape, weight, bias, float(eps), bool(memory_efficient))[0]
+    shape = _args.normalized_shape("fusedlayers.layer_norm", normalized_shape)
+    eps = _args.real("fusedlayers.layer_norm", "eps", eps)
+    return layer_norm_op(x, shape, weight, bias, eps, bool(memory_efficient))[0]
 
 
 def dense_gelu(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None = None,
@@ -94,7 +97,8 @@ def layer_norm_trailing(x: torch.Tensor, norm_ndims: int, gamma: torch.Tensor | 
                         subtract_mean: bool = True) -> torch.Tensor:
     """Normalizes the trailing norm_ndims dims; subtract_mean=False is Keras' rms_scaling."""
     shape = list(x.shape[x.dim() - norm_ndims:])
-    return layer_norm_op(x, shape, gamma, beta, float(eps), False, subtract_mean)[0]
+    eps = _args.real("fusedlayers.layer_norm", "eps", eps)
+    return layer_norm_op(x, shape, gamma, beta, eps, False, subtract_mean)[0]
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
