@@ -1,8 +1,12 @@
 """Test utilities: error measures, bitwise comparison, and strided views of fresh tensors
 (layouts: "contiguous", "transposed", "sliced" (last-dim stride 2), "expanded" (stride-0 rows))."""
 
+import pytest
 import torch
 
+# Device parameter for tests that run on the CPU and, on a CUDA machine, on the GPU too.
+DEVICES = ("cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]))
 HALF = (torch.float16, torch.bfloat16)
 ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

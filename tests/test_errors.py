@@ -2,7 +2,11 @@
 argument and the expected vs received value; nothing silently wrong."""
 
 import math
+import os
 import re
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -10,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import fusedlayers
+import fusedlayers.torch
+from _helpers import DEVICES, as_layout, leaf_shape
 from fusedlayers.torch import FusedLinearGELU, LayerNorm
 
 
@@ -211,3 +217,198 @@ def test_all_on_meta_gives_shapes_like_native():
     assert y.device.type == "meta" and y.shape == F.linear(x, w).shape
     y = fusedlayers.layer_norm(x, 7, torch.empty(7, device="meta"))
     assert y.device.type == "meta" and y.shape == F.layer_norm(x, (7,)).shape
+
+
+# ---------------------------------------------------------------- argument types and frameworks
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: fusedlayers.relu_scale(x37(), "2"), r"relu_scale: alpha must be a real number, "
+                                                 r"got str '2'"),
+    (lambda: fusedlayers.relu_scale(x37(), None), r"alpha must be a real number, got NoneType"),
+    (lambda: fusedlayers.layer_norm(x37(), 7, eps="1e-5"), r"layer_norm: eps must be a real "
+                                                           r"number, got str"),
+    (lambda: fusedlayers.layer_norm(x37(), 7.0), r"layer_norm: normalized_shape must be an int "
+                                                 r"or a sequence of ints, got float 7.0"),
+    (lambda: fusedlayers.layer_norm(x37(), [7.0]), r"normalized_shape must be an int or a "
+                                                   r"sequence of ints, got list"),
+    (lambda: LayerNorm(7, eps="1e-5"), r"LayerNorm: eps must be a real number, got str"),
+    (lambda: LayerNorm("7"), r"LayerNorm: normalized_shape must be an int or a sequence"),
+    (lambda: fusedlayers.torch.FusedReLUScale(True), r"FusedReLUScale: alpha must be a real "
+                                                     r"number, got bool"),
+], ids=("alpha-str", "alpha-none", "eps-str", "shape-float", "shape-float-list",
+        "module-eps-str", "module-shape-str", "module-alpha-bool"))
+def test_argument_types(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+def test_tensor_of_another_framework():
+    tf = pytest.importorskip("tensorflow")
+    w = tf.ones((5, 7))
+    with pytest.raises(TypeError, match=r"linear_gelu: x is a torch.Tensor, so weight must be "
+                                        r"one too, got tensorflow\..*EagerTensor"):
+        fusedlayers.linear_gelu(x37(), w)
+    with pytest.raises(TypeError, match=r"layer_norm: x is a torch.Tensor, so bias must be one "
+                                        r"too, got numpy.ndarray"):
+        fusedlayers.layer_norm(x37(), 7, torch.ones(7), np.zeros(7, np.float32))
+
+
+# ---------------------------------------------------------------- odd but valid inputs
+# Every public op and layer on inputs that are legal but easy to get wrong: each equals the unfused
+# reference (forward and gradients, NaN where NaN), on the CPU and on a CUDA device. Cases that
+# could crash the interpreter (a kernel reading out of bounds on an empty, overlapping or
+# stride-0 input, a zero-size GEMM) run in a subprocess.
+
+def _leaf(shape, device, fill=None):
+    t = torch.randn(shape, device=device)
+    if fill is not None:
+        t.view(-1)[:len(fill)] = torch.tensor(fill)
+    return t.requires_grad_()
+
+
+NONFINITE = [math.nan, math.inf, -math.inf, 0.0, -0.0]
+
+
+def odd_case(name: str, device: str):
+    """(leaves, fused, unfused) for the named case: fused(*leaves) and unfused(*leaves) give the
+    output (unfused also on float64 copies of the leaves); gradients are taken wrt the leaves.
+    The first leaf is x's storage, which view() turns into the case's input."""
+    op, what = name.split(":")
+    cols = 1 if what == "one-element-rows" else 6
+    rows = 0 if what == "empty" else 5
+    if op == "linear_gelu" and what == "in-features-0":
+        cols = 0
+    shape = (rows, cols)
+    if what in ("transposed", "sliced", "expanded"):
+        base = _leaf(leaf_shape(shape, what), device)
+        view = lambda t: as_layout(t, shape, what)  # noqa: E731
+    elif what == "overlapping":  # row stride 1: each row shares cols - 1 elements with the next
+        base = _leaf(rows + cols - 1, device)
+        view = lambda t: t.as_strided(shape, (1, 1))  # noqa: E731
+    else:
+        base = _leaf(shape, device, NONFINITE if what == "nonfinite" else None)
+        view = lambda t: t  # noqa: E731
+    if op in ("relu_scale", "FusedReLUScale"):
+        alpha = {"alpha-0": 0.0, "alpha-negative": -1.5}.get(what, 0.7)
+        fused = ((lambda t: fusedlayers.relu_scale(view(t), alpha)) if op == "relu_scale"
+                 else (lambda t, m=fusedlayers.torch.FusedReLUScale(alpha): m(view(t))))
+        return [base], fused, lambda t: torch.relu(view(t)) * alpha
+    if op in ("layer_norm", "LayerNorm"):
+        eps = {"eps-huge": 1e10, "eps-tiny": 1e-30, "eps-0": 0.0}.get(what, 1e-5)
+        if op == "layer_norm":
+            w, b = _leaf(cols, device), _leaf(cols, device)
+            fused = lambda t, w, b: fusedlayers.layer_norm(view(t), cols, w, b, eps)  # noqa: E731
+        else:
+            m = LayerNorm(cols, eps=eps, device=device)
+            with torch.no_grad():
+                m.weight.normal_(), m.bias.normal_()
+            w, b = m.weight, m.bias
+            fused = lambda t, w, b: m(view(t))  # noqa: E731  (w, b are m's own parameters)
+        return [base, w, b], fused, lambda t, w, b: F.layer_norm(view(t), (cols,), w, b, eps)
+    out_f = 0 if what == "out-features-0" else 4
+    if op == "linear_gelu":
+        w, b = _leaf((out_f, cols), device), _leaf(out_f, device)
+        fused = lambda t, w, b: fusedlayers.linear_gelu(view(t), w, b, "tanh")  # noqa: E731
+    else:
+        m = FusedLinearGELU(cols, out_f, approximate="tanh", device=device)
+        w, b = m.weight, m.bias
+        fused = lambda t, w, b: m(view(t))  # noqa: E731  (w, b are m's own parameters)
+    return [base, w, b], fused, \
+        lambda t, w, b: F.gelu(F.linear(view(t), w, b), approximate="tanh")
+
+
+LAYOUTS = ("empty", "one-element-rows", "transposed", "sliced", "expanded", "overlapping",
+           "nonfinite")
+ODD_CASES = ([f"{op}:{w}" for op in ("relu_scale", "layer_norm", "linear_gelu") for w in LAYOUTS]
+             + [f"{op}:{w}" for op in ("FusedReLUScale", "LayerNorm", "FusedLinearGELU")
+                for w in ("empty", "expanded", "overlapping", "nonfinite")]
+             + ["relu_scale:alpha-0", "relu_scale:alpha-negative", "layer_norm:eps-huge",
+                "layer_norm:eps-tiny", "layer_norm:eps-0", "linear_gelu:in-features-0",
+                "linear_gelu:out-features-0"])
+# Could crash the interpreter if a kernel got them wrong: checked in a subprocess.
+RISKY = ("empty", "expanded", "overlapping", "in-features-0", "out-features-0")
+
+
+def check_odd_case(name: str, device: str) -> None:
+    """The fused output and gradients (float32) equal the unfused ones computed in float64 from
+    the same values, to float32 rounding; NaN where NaN."""
+    leaves, fused, unfused = odd_case(name, device)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    out, ref = fused(*leaves), unfused(*leaves64)
+    dy = torch.randn(out.shape, device=device, dtype=torch.float64)
+    got = [out, *torch.autograd.grad(out, leaves, dy.float(), allow_unused=True)]
+    want = [ref, *torch.autograd.grad(ref, leaves64, dy, allow_unused=True)]
+    for i, (g, r) in enumerate(zip(got, want)):
+        like = out if i == 0 else leaves[i - 1]
+        g = torch.zeros_like(like) if g is None else g
+        r = torch.zeros_like(like) if r is None else r.float()
+        what = "output" if i == 0 else f"gradient {i}"
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, equal_nan=True,
+                                   msg=lambda m: f"{name}: {what}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", [c for c in ODD_CASES if c.split(":")[1] not in RISKY])
+def test_odd_input(name, device):
+    check_odd_case(name, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_odd_input_risky_in_subprocess(device):
+    """The cases that could crash, one fresh interpreter per device; it names the case running
+    when it dies."""
+    risky = [c for c in ODD_CASES if c.split(":")[1] in RISKY]
+    code = ("import sys, test_errors as t\n"
+            f"for name in {risky!r}:\n"
+            "    print(name, flush=True)\n"
+            f"    t.check_odd_case(name, {device!r})\n"
+            "print('done', flush=True)\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=600)
+    last = proc.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+    assert proc.returncode == 0 and last == ["done"], (
+        f"rc {proc.returncode} during {last[0]}\n{proc.stderr[-4000:]}")
+
+
+# ---------------------------------------------------------------- threads
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ("relu_scale", "layer_norm", "linear_gelu"))
+def test_two_threads_same_op(op, device):
+    """Two Python threads calling the same op (forward and backward) at once, on inputs of
+    different shapes, get bitwise what one thread gets."""
+    def call(x, w):
+        if op == "relu_scale":
+            return fusedlayers.relu_scale(x, 0.5)
+        if op == "layer_norm":
+            return fusedlayers.layer_norm(x, x.shape[-1], w)
+        return fusedlayers.linear_gelu(x, w)
+
+    def run(x, w, dy):
+        y = call(x, w)
+        return (y, *torch.autograd.grad(y, (x, w) if op != "relu_scale" else (x,), dy))
+
+    cases = []
+    for rows, cols in ((257, 96), (64, 1024)):
+        x = torch.randn(rows, cols, device=device, requires_grad=True)
+        w = torch.randn((cols,) if op == "layer_norm" else (cols // 2, cols), device=device,
+                        requires_grad=True)
+        dy = torch.randn(call(x, w).shape, device=device)
+        cases.append((x, w, dy, run(x, w, dy)))
+    failures = []
+
+    def work(x, w, dy, want):
+        for _ in range(20):
+            got = run(x, w, dy)
+            if not all(torch.equal(g, r) for g, r in zip(got, want)):
+                failures.append(tuple(x.shape))
+
+    threads = [threading.Thread(target=work, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import as_layout, assert_bitwise, leaf_shape, rel_err
+from _helpers import DEVICES, as_layout, assert_bitwise, leaf_shape, rel_err
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -15,8 +15,6 @@ import fusedlayers.torch as flt
 from fusedlayers.torch import inductor, ops
 
 fl = torch.ops.fusedlayers
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 def skip_cuda_float64(device, dtype):

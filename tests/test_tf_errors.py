@@ -3,6 +3,11 @@ argument and the expected and received values (DESIGN.md, "Bad input"), eagerly 
 tf.function; the raw op's C++ OP_REQUIRES checks hold when the Python checks are bypassed."""
 
 import math
+import os
+import re
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +18,9 @@ import fusedlayers as fl  # noqa: E402
 from fusedlayers.tensorflow import layer_norm_trailing, ops  # noqa: E402
 
 from _tf_utils import rng  # noqa: E402,F401
+
+keras = pytest.importorskip("keras")
+from fusedlayers.keras import FusedLinearGELU, FusedReLUScale, LayerNorm  # noqa: E402
 
 IAE = tf.errors.InvalidArgumentError
 
@@ -162,10 +170,11 @@ def test_layer_norm_weight_and_bias_dtypes_differ(data, which):
 # --------------------------------------------------------------------------------------------
 # scalars and options
 
-@pytest.mark.parametrize("eps", [math.nan, math.inf, -math.inf, -1e-5])
+@pytest.mark.parametrize("eps", [math.nan, math.inf, -math.inf, -1e-5, 1e300])
 def test_layer_norm_bad_eps(data, eps):
     for mode, f in _both_modes(lambda: fl.layer_norm(data["x"], 7, eps=eps)):
-        with pytest.raises(IAE, match=rf"eps must be finite and >= 0, got {eps}"):
+        with pytest.raises(IAE, match=rf"eps must be finite and >= 0 as a float32 \(the op "
+                                      rf"attribute's type\), got {re.escape(str(eps))}"):
             f()
     with pytest.raises(IAE, match=r"eps must be finite"):
         layer_norm_trailing(data["x"], 1, eps=eps, subtract_mean=False)
@@ -277,3 +286,181 @@ def test_raw_layer_norm_grad_shapes(data):
         ops._lib.fusedlayers_layer_norm_grad(tf.ones([3, 7]), x, mean[:2], rstd[:2], data["g"],
                                              data["beta"], norm_ndims=1, has_gamma=True,
                                              has_beta=True)
+
+
+# --------------------------------------------------------------------------------------------
+# argument types and frameworks
+
+@pytest.mark.parametrize("call,match", [
+    (lambda d: fl.relu_scale(d["x"], "2"), r"relu_scale: alpha must be a real number, got str"),
+    (lambda d: fl.layer_norm(d["x"], 7, eps="1e-5"), r"layer_norm: eps must be a real number"),
+    (lambda d: fl.layer_norm(d["x"], 7.0), r"layer_norm: normalized_shape must be an int or a "
+                                           r"sequence of ints, got float 7.0"),
+    (lambda d: FusedReLUScale(alpha="2"), r"FusedReLUScale: alpha must be a real number"),
+], ids=("alpha-str", "eps-str", "shape-float", "layer-alpha-str"))
+def test_argument_types(data, call, match):
+    with pytest.raises(TypeError, match=match):
+        call(data)
+
+
+def test_tensor_of_another_framework(data):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"linear_gelu: x is a TensorFlow tensor, so weight must "
+                                        r"not be a torch.Tensor"):
+        fl.linear_gelu(data["x"], torch.ones(5, 7))
+    with pytest.raises(TypeError, match=r"layer_norm: x is a TensorFlow tensor, so bias must not"):
+        fl.layer_norm(data["x"], 7, data["g"], torch.zeros(7))
+    with pytest.raises(TypeError, match=r"x is a torch.Tensor, so weight must be one too, got "
+                                        r"tensorflow"):
+        fl.layer_norm(torch.ones(3, 7), 7, data["g"])
+
+
+def test_layer_norm_zero_size_normalized_shape(data):
+    with pytest.raises(IAE, match=r"normalized_shape must have positive sizes, got \[0\]"):
+        fl.layer_norm(tf.zeros((3, 0)), 0)
+
+
+# --------------------------------------------------------------------------------------------
+# odd but valid inputs: each equals TF's unfused ops (forward and gradients, NaN where NaN);
+# the cases that could crash the interpreter run in a subprocess
+
+NONFINITE = [math.nan, math.inf, -math.inf, 0.0, -0.0]
+
+
+def odd_case(name: str):
+    """(inputs, fused, unfused): both map the inputs (tf constants) to an output."""
+    op, what = name.split(":")
+    gen = np.random.default_rng(abs(hash(name)) % 2**32)
+    rows = 0 if what == "empty" else 5
+    cols = 1 if what == "one-element-rows" else 6
+    if op == "linear_gelu":
+        cols = {"in-features-0": 0}.get(what, cols)
+    x = gen.standard_normal((rows, cols)).astype(np.float32)
+    if what == "nonfinite":
+        x.reshape(-1)[:len(NONFINITE)] = NONFINITE
+    x = tf.constant(x)
+    if op in ("relu_scale", "FusedReLUScale"):
+        alpha = {"alpha-0": 0.0, "alpha-negative": -1.5}.get(what, 0.7)
+        fused = (lambda t: fl.relu_scale(t, alpha)) if op == "relu_scale" else FusedReLUScale(alpha)
+        # NaN's gradient is dy * alpha (torch's convention, documented; tf.nn.relu's is 0)
+        return [x], fused, lambda t: tf.where(tf.math.is_nan(t), t, tf.nn.relu(t)) * alpha
+    if op in ("layer_norm", "LayerNorm"):
+        eps = {"eps-huge": 1e10, "eps-tiny": 1e-30, "eps-0": 0.0}.get(what, 1e-3)
+        g, b = (tf.constant(gen.standard_normal(cols), tf.float32) for _ in range(2))
+        ref = keras.layers.LayerNormalization(epsilon=eps)
+        ref.build(x.shape)
+        ref.set_weights([g.numpy(), b.numpy()])
+        if op == "LayerNorm":
+            layer = LayerNorm(epsilon=eps)
+            layer.build(x.shape)
+            layer.set_weights([g.numpy(), b.numpy()])
+            return [x], layer, ref
+        return [x, g, b], lambda t, gg, bb: fl.layer_norm(t, cols, gg, bb, eps), \
+            lambda t, gg, bb: tf_layer_norm(t, gg, bb, eps)
+    out_f = {"out-features-0": 0}.get(what, 4)
+    w, b = (tf.constant(gen.standard_normal(s), tf.float32) for s in ((out_f, cols), out_f))
+    if op == "linear_gelu":
+        return [x, w, b], lambda t, ww, bb: fl.linear_gelu(t, ww, bb, "tanh"), \
+            lambda t, ww, bb: tf.nn.gelu(tf.matmul(t, ww, transpose_b=True) + bb, approximate=True)
+    layer = FusedLinearGELU(out_f, approximate=True)
+    layer.build(x.shape)
+    layer.set_weights([tf.transpose(w).numpy(), b.numpy()])
+    return [x], layer, lambda t: tf.nn.gelu(tf.matmul(t, w, transpose_b=True) + b,
+                                            approximate=True)
+
+
+def tf_layer_norm(x, g, b, eps):
+    mean, var = tf.nn.moments(x, [-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(var + eps) * g + b
+
+
+ODD_CASES = ([f"{op}:{w}" for op in ("relu_scale", "layer_norm", "linear_gelu", "FusedReLUScale",
+                                     "LayerNorm", "FusedLinearGELU")
+              for w in ("empty", "one-element-rows", "nonfinite")]
+             + ["relu_scale:alpha-0", "relu_scale:alpha-negative", "layer_norm:eps-huge",
+                "layer_norm:eps-tiny", "layer_norm:eps-0", "linear_gelu:in-features-0",
+                "linear_gelu:out-features-0"])
+RISKY = ("empty", "in-features-0", "out-features-0")
+
+
+def check_odd_case(name: str) -> None:
+    inputs, fused, unfused = odd_case(name)
+    got, want = (tf_grads_all(f, inputs) for f in (fused, unfused))
+    for i, (a, r) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{name}: {'output' if i == 0 else f'gradient {i}'}")
+
+
+def tf_grads_all(fn, inputs):
+    """fn's output and the gradients of sum(output * dy) wrt the inputs and fn's weights (zeros
+    where the gradient is None), dy fixed by the output's shape."""
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        y = fn(*inputs)
+    weights = list(getattr(fn, "trainable_weights", []))
+    dy = tf.reshape(tf.range(tf.size(y), dtype=y.dtype) % 3 - 1, tf.shape(y))
+    gs = tape.gradient(y, inputs + weights, output_gradients=dy)
+    return [y] + [tf.zeros_like(v) if g is None else g for v, g in zip(inputs + weights, gs)]
+
+
+@pytest.mark.parametrize("name", [c for c in ODD_CASES if c.split(":")[1] not in RISKY])
+def test_odd_input(name):
+    if name[0].isupper() and keras.backend.backend() != "tensorflow":
+        pytest.skip("the Keras layers take TF tensors under KERAS_BACKEND=tensorflow")
+    check_odd_case(name)
+
+
+def test_odd_input_risky_in_subprocess():
+    risky = [c for c in ODD_CASES if c.split(":")[1] in RISKY
+             and (c[0].islower() or keras.backend.backend() == "tensorflow")]
+    code = ("import test_tf_errors as t\n"
+            f"for name in {risky!r}:\n"
+            "    print(name, flush=True)\n"
+            "    t.check_odd_case(name)\n"
+            "print('done', flush=True)\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(
+        [tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=600)
+    last = proc.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+    assert proc.returncode == 0 and last == ["done"], (
+        f"rc {proc.returncode} during {last[0]}\n{proc.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("op", ("relu_scale", "layer_norm", "linear_gelu"))
+def test_two_threads_same_op(op, rng):
+    """Two Python threads running the same op (forward and gradient) at once, on inputs of
+    different shapes, get bitwise what one thread gets."""
+    def run(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            if op == "relu_scale":
+                y = fl.relu_scale(x, 0.5)
+            elif op == "layer_norm":
+                y = fl.layer_norm(x, x.shape[-1], w)
+            else:
+                y = fl.linear_gelu(x, w)
+        return [y.numpy()] + [g.numpy() for g in tape.gradient(y, [x, w],
+                                                                unconnected_gradients="zero")]
+
+    cases = []
+    for rows, cols in ((257, 96), (64, 1024)):
+        x = tf.constant(rng.normal((rows, cols)), tf.float32)
+        w = tf.constant(rng.normal((cols,) if op == "layer_norm" else (cols // 2, cols)),
+                        tf.float32)
+        cases.append((x, w, run(x, w)))
+    failures = []
+
+    def work(x, w, want):
+        for _ in range(20):
+            if not all(np.array_equal(g, r, equal_nan=True) for g, r in zip(run(x, w), want)):
+                failures.append(tuple(x.shape))
+
+    threads = [threading.Thread(target=work, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+
