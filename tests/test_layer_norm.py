@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fusedlayers
 from fusedlayers.torch import ops
-from _helpers import (HALF, as_layout, assert_bitwise, assert_calibrated, f64, grads,
+from _helpers import (DEVICES, HALF, as_layout, assert_bitwise, assert_calibrated, f64, grads,
                       leaf_shape, rel_err)
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -364,3 +364,42 @@ def test_subtract_mean_false_rejects_bias():
     with pytest.raises(ValueError, match=r"bias must be None when subtract_mean is False"):
         ops.layer_norm_trailing(torch.randn(3, 7), 1, None, torch.randn(7), 1e-3,
                                 subtract_mean=False)
+
+
+def rms_scaling_grad_scales(x, gamma, dy, eps):
+    """Magnitudes of the terms summed into dx and dgamma of rms_scaling (float64): with
+    gy = dy gamma, dx = rstd (gy - xhat rstd mean(gy x)) and dgamma = sum_rows dy x rstd."""
+    mean = x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((x - mean).square().mean(-1, keepdim=True) + eps)
+    xhat, xs, gy = ((x - mean) * rstd).abs(), (x * rstd).abs(), (dy * gamma).abs()
+    return rstd * (gy + xhat * (gy * xs).mean(-1, keepdim=True)), (dy.abs() * xs).sum(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,cols", [(4096, 4), (1024, 768), (256, 4097)])
+@pytest.mark.parametrize("offset", (10.0, 100.0))
+def test_subtract_mean_false_offset_rows(offset, rows, cols, device):
+    """Rows whose mean is 10 and 100 standard deviations from zero, where dx of rms_scaling is a
+    small difference of large terms: dx and dgamma within 2x torch's own float32 autograd error
+    (each judged against the magnitudes of the terms it sums) over four draws."""
+    eps = 1e-3
+    draws = {"dx": [], "dgamma": []}  # (ours, torch's, reference, scale) per draw
+    for _ in range(4):
+        x = (torch.randn(rows, cols) + offset).to(device).requires_grad_()
+        gamma = (1 + 0.5 * torch.randn(cols)).to(device).requires_grad_()
+        dy = torch.randn(rows, cols).to(device)
+        y = ops.layer_norm_trailing(x, 1, gamma, None, eps, subtract_mean=False)
+        ours = torch.autograd.grad(y, (x, gamma), dy)
+        torch_own = torch.autograd.grad(rms_scaling64(x, 1, gamma, eps), (x, gamma), dy)
+        x64, gamma64 = f64(x), f64(gamma)
+        ref = torch.autograd.grad(rms_scaling64(x64, 1, gamma64, eps), (x64, gamma64),
+                                  dy.double())
+        scales = rms_scaling_grad_scales(x64, gamma64, dy.double(), eps)
+        for name, *tensors in zip(draws, ours, torch_own, ref, scales):
+            draws[name].append([t.double().flatten() for t in tensors])
+    for name, tensors in draws.items():  # judged over all draws: one error per gradient
+        a, h, r, sc = (torch.cat(t) for t in zip(*tensors))
+        assert_calibrated(rel_err(a, r, sc), rel_err(h, r, sc),
+                          f"rms_scaling {name}, rows at {offset} std", dtype=torch.float32,
+                          numel=r.numel())
+
