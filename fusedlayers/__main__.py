@@ -73,6 +73,12 @@ def bench(argv: list[str]) -> int:
     model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
     model.add_argument("--rounds", type=int, default=5, help="A/B rounds")
     model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
+    memory = parser.add_argument_group(
+        "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
+        "for a 12-block MLP stack and the --model models (fusedlayers.memory_bench)")
+    memory.add_argument("--memory", action="store_true")
+    memory.add_argument("--memory-models", default="mlp,bert-base,vit-base,gpt2",
+                        help="comma-separated, of mlp and the --model names")
     args = parser.parse_args(argv)
 
     import torch
@@ -80,6 +86,8 @@ def bench(argv: list[str]) -> int:
     name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     if device == "cpu":
         name += f" ({torch.get_num_threads()} threads)"
+    if args.memory:
+        return _bench_memory(args, device, name)
     if args.model:
         return _bench_model(args, device, name)
     from fusedlayers import bench as b
@@ -104,6 +112,16 @@ def _bench_model(args, device: str, name: str) -> int:
         mb.write_json(args.json, rows, name)
     if args.plot:
         mb.plot(args.plot, rows, name)
+    return 0
+
+
+def _bench_memory(args, device: str, name: str) -> int:
+    from fusedlayers import memory_bench as mem
+    print(f"device: {name}\n{mem.HEADER}")
+    rows = mem.run(device, tuple(args.memory_models.split(",")),
+                   log=lambda line: print(line, flush=True))
+    if args.json:
+        mem.write_json(args.json, rows, name)
     return 0
 
 

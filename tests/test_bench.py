@@ -1,12 +1,15 @@
-"""`python -m fusedlayers bench` on the CPU: rows for the chosen ops, JSON output, bad options."""
+"""`python -m fusedlayers bench` on the CPU: rows for the chosen ops, JSON output, bad options, and
+the memory bench's byte counts."""
 
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from fusedlayers import bench, model_bench
+from fusedlayers import __main__ as main
+from fusedlayers import bench, memory_bench as mem, model_bench
 
 
 def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
@@ -67,3 +70,32 @@ def test_cli_model_bench_writes_json_and_plot(tmp_path):
     data = json.loads(out.read_text())
     assert [(r["model"], r["batch"]) for r in data["rows"]] == [("gpt2", 2)]
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("variant", mem.VARIANTS)
+def test_memory_bench_counts_what_each_layer_saves(variant):
+    """Saved bytes of a GELU block and a relu*0.5 block, T tokens of width d (hidden h = 4d),
+    float32, against what each layer keeps for backward (README, "Memory"): LayerNorm its input
+    (its output with memory_efficient=True, which fc1 keeps anyway) + mean and rstd; fc1 its input;
+    GELU (or LinearGELU) the pre-activation; relu * 0.5 unfused relu's output, fused a 1-bit mask;
+    fc2 its input; the loss (square) the stack's output."""
+    t, d = 64, 16
+    h = 4 * d
+    model = mem.mlp_stack(d, variant, blocks=2)
+    inputs = {"input": torch.randn(t, d, requires_grad=True)}
+    saved_mb, peak_mb = mem.measure(model, inputs, torch.device("cpu"))
+    norm = (0 if variant == mem.VARIANTS[2] else t * d) + 2 * t
+    gelu_block = norm + t * d + t * h + t * h
+    relu_saves = t * h if variant == "unfused" else (t * h + 31) // 32  # int32 words
+    relu_block = norm + t * d + relu_saves + t * h
+    assert saved_mb * 2**20 == 4 * (gelu_block + relu_block + t * d)
+    assert peak_mb is None
+
+
+def test_cli_memory_bench_writes_json(tmp_path):
+    out = tmp_path / "memory.json"
+    assert main.bench(["--memory", "--device", "cpu", "--memory-models", "mlp",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == list(mem.VARIANTS)
+    assert rows[1]["saved_mb"] < rows[0]["saved_mb"] and rows[2]["saved_mb"] < rows[1]["saved_mb"]
