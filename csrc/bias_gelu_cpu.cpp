@@ -114,8 +114,8 @@ FUSEDLAYERS_INLINE A gelu_grad(A u, GeluApprox approx) {
 // narrow rows pay no per-row loop overhead; the approximation is a loop invariant, each branch
 // its own vectorized loop.
 template <typename A>
-FUSEDLAYERS_INLINE void bias_gelu_rows(const A* h, const A* bias, A* pre, A* y, int64_t rows,
-                                       int64_t cols, GeluApprox approx) {
+FUSEDLAYERS_CPU_CLONES void bias_gelu_rows(const A* h, const A* bias, A* pre, A* y, int64_t rows,
+                                           int64_t cols, GeluApprox approx) {
   const int64_t n = rows * cols;
   if (bias) {
     for (int64_t r = 0; r < rows; ++r)
@@ -134,8 +134,8 @@ FUSEDLAYERS_INLINE void bias_gelu_rows(const A* h, const A* bias, A* pre, A* y, 
 // A block of `rows` contiguous rows: dpre = dy * gelu'(u) (dpre may alias dy); each row of dpre
 // added to dbias in row order, where dbias is given.
 template <typename A>
-FUSEDLAYERS_INLINE void gelu_grad_rows(const A* u, const A* dy, A* dpre, A* dbias, int64_t rows,
-                                       int64_t cols, GeluApprox approx) {
+FUSEDLAYERS_CPU_CLONES void gelu_grad_rows(const A* u, const A* dy, A* dpre, A* dbias,
+                                           int64_t rows, int64_t cols, GeluApprox approx) {
   const int64_t n = rows * cols;
   if (approx == GeluApprox::kTanh) {
     for (int64_t i = 0; i < n; ++i) dpre[i] = dy[i] * gelu_grad(u[i], GeluApprox::kTanh);
@@ -145,20 +145,6 @@ FUSEDLAYERS_INLINE void gelu_grad_rows(const A* u, const A* dy, A* dpre, A* dbia
   if (dbias)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < cols; ++j) dbias[j] += dpre[r * cols + j];
-}
-
-// float blocks run in target clones (cpu_types.h); double blocks stay baseline (their libm calls
-// do not vectorize).
-FUSEDLAYERS_CPU_CLONES void bias_gelu_rows_f32(const float* h, const float* bias, float* pre,
-                                               float* y, int64_t rows, int64_t cols,
-                                               GeluApprox approx) {
-  bias_gelu_rows(h, bias, pre, y, rows, cols, approx);
-}
-
-FUSEDLAYERS_CPU_CLONES void gelu_grad_rows_f32(const float* u, const float* dy, float* dpre,
-                                               float* dbias, int64_t rows, int64_t cols,
-                                               GeluApprox approx) {
-  gelu_grad_rows(u, dy, dpre, dbias, rows, cols, approx);
 }
 
 // Rows per block: about 32 KB of float per block, so a block's pre / dpre is still in L1 or L2
@@ -186,9 +172,7 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
       for (int64_t r = begin; r < end; r += block) {
         const int64_t n = std::min(block, end - r), off = r * cols;
         const T* bp = static_cast<const T*>(bias);
-        if constexpr (std::is_same_v<T, float>) {  // computed in place, no staging
-          bias_gelu_rows_f32(hp + off, bp, pp + off, yp + off, n, cols, approx);
-        } else if constexpr (std::is_same_v<T, double>) {
+        if constexpr (std::is_same_v<T, A>) {  // computed in place, no staging
           bias_gelu_rows(hp + off, bp, pp + off, yp + off, n, cols, approx);
         } else {  // 16-bit rows staged in float
           A* v = buf.data();
@@ -198,7 +182,7 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
           // The unfused layer rounds the linear output to T before GELU: so do we.
           cpu::store(v, pp + off, n * cols);
           cpu::load(pp + off, v, n * cols);
-          bias_gelu_rows_f32(v, nullptr, v, v, n, cols, approx);
+          bias_gelu_rows(v, static_cast<const A*>(nullptr), v, v, n, cols, approx);
           cpu::store(v, yp + off, n * cols);
         }
       }
@@ -238,14 +222,12 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
         const int64_t rend = std::min(rows, (c + 1) * per_chunk);
         for (int64_t r = c * per_chunk; r < rend; r += block) {
           const int64_t n = std::min(block, rend - r), off = r * cols;
-          if constexpr (std::is_same_v<T, float>) {
-            gelu_grad_rows_f32(up + off, dyp + off, dpp + off, pb, n, cols, approx);
-          } else if constexpr (std::is_same_v<T, double>) {
+          if constexpr (std::is_same_v<T, A>) {
             gelu_grad_rows(up + off, dyp + off, dpp + off, pb, n, cols, approx);
           } else {
             cpu::load(up + off, u, n * cols);
             cpu::load(dyp + off, d, n * cols);
-            gelu_grad_rows_f32(u, d, d, nullptr, n, cols, approx);
+            gelu_grad_rows(u, d, d, static_cast<A*>(nullptr), n, cols, approx);
             cpu::store(d, dpp + off, n * cols);
             if (!pb) continue;
             // dbias sums the rounded dpre, as the unfused Linear's bias gradient does.

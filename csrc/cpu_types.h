@@ -1,8 +1,14 @@
 // CPU storage types for float16/bfloat16, fp32/fp64 accumulation types, the dtype switch, and
-// row helpers written so the compiler vectorizes them without -ffast-math. float16 converts
-// through the compiler's _Float16 (IEEE binary16, round-to-nearest-even); bfloat16 is the top
-// half of a float32, rounded to nearest even.
+// row helpers written so the compiler vectorizes them without -ffast-math. float16 is IEEE
+// binary16 and bfloat16 the top half of a float32, both rounded to nearest even.
 #pragma once
+
+// Included by the CPU kernel files only, before their code. Without trapping math GCC
+// if-converts selects whose both sides are float arithmetic (relu's `v < 0 ? 0 : v`, the
+// half-precision conversions below, `mask bit ? dy * alpha : 0`) and vectorizes them; the
+// speculated operations change no value, only FP exception flags, which nothing reads. Measured:
+// relu_scale backward 4.1 -> 0.18 ms for 1M float32 elements on one core.
+#pragma GCC optimize("no-trapping-math")
 
 #include <algorithm>
 #include <cstring>
@@ -38,16 +44,33 @@ template <> struct Acc<double> { using type = double; };
 
 FUSEDLAYERS_INLINE float to_acc(float v) { return v; }
 FUSEDLAYERS_INLINE double to_acc(double v) { return v; }
+
+FUSEDLAYERS_INLINE uint32_t bits_of(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u;
+}
+FUSEDLAYERS_INLINE float float_of(uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// IEEE binary16 <-> float32 in integer and float arithmetic with selects, no branches and no
+// library calls, so that loops of them vectorize in every target clone (a _Float16 cast is a
+// scalar vcvtph2ps at best, a libgcc call per element at worst). Round to nearest even, as F16C;
+// Inf stays Inf and NaN stays NaN with its sign; no float subnormal is ever formed, so the
+// results hold with denormals flushed (torch.set_flush_denormal).
 FUSEDLAYERS_INLINE float to_acc(Half v) {
-  _Float16 h;
-  std::memcpy(&h, &v.bits, 2);
-  return static_cast<float>(h);
+  const uint32_t shifted = (v.bits & 0x7fffu) << 13, exp = shifted & 0x0f800000u;
+  const uint32_t rebiased = shifted + 0x38000000u;  // exponent bias 15 -> 127
+  const uint32_t normal = exp == 0x0f800000u ? rebiased + 0x38000000u : rebiased;  // Inf/NaN
+  // Subnormal halves: 2^-14 (1 + m / 1024) - 2^-14 = m 2^-24, exactly.
+  const uint32_t sub = bits_of(float_of(rebiased + 0x00800000u) - float_of(0x38800000u));
+  return float_of((exp == 0 ? sub : normal) | (v.bits & 0x8000u) << 16);
 }
 FUSEDLAYERS_INLINE float to_acc(BFloat16 v) {
-  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return float_of(static_cast<uint32_t>(v.bits) << 16);
 }
 
 template <typename T>
@@ -55,29 +78,32 @@ FUSEDLAYERS_INLINE T from_acc(typename Acc<T>::type v) {
   return static_cast<T>(v);
 }
 template <> FUSEDLAYERS_INLINE Half from_acc<Half>(float v) {
-  _Float16 h = static_cast<_Float16>(v);
-  Half out;
-  std::memcpy(&out.bits, &h, 2);
-  return out;
+  const uint32_t u = bits_of(v), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  // Subnormal results (|v| < 2^-14): adding 0.5 lines the 10 mantissa bits up at the bottom of
+  // the float and rounds them to nearest even in the FPU.
+  const uint32_t sub = bits_of(float_of(a) + 0.5f) - 0x3f000000u;
+  // Normal results: rebias the exponent and round the 13 dropped bits to nearest even.
+  const uint32_t norm = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+  const uint32_t finite = a < 0x38800000u ? sub : norm;
+  const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+  const uint32_t out = a > 0x7f800000u ? nan : a >= 0x47800000u ? 0x7c00u : finite;
+  return Half{static_cast<uint16_t>(out | sign)};
 }
 template <> FUSEDLAYERS_INLINE BFloat16 from_acc<BFloat16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
+  const uint32_t u = bits_of(v);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
   const uint32_t quiet_nan = (u >> 16) | 0x0040u;                   // never round NaN to Inf
-  BFloat16 out;
-  out.bits = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-  return out;
+  return BFloat16{static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded)};
 }
 
 // Converts n values to the accumulation type: a row is staged once, then all math runs on A.
 template <typename T, typename A>
-FUSEDLAYERS_INLINE void load(const T* src, A* dst, int64_t n) {
+FUSEDLAYERS_CPU_CLONES void load(const T* src, A* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_acc(src[i]);
 }
 
 template <typename T, typename A>
-FUSEDLAYERS_INLINE void store(const A* src, T* dst, int64_t n) {
+FUSEDLAYERS_CPU_CLONES void store(const A* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = from_acc<T>(src[i]);
 }
 

@@ -1,6 +1,6 @@
 // CPU layer norm: rows split over tasks for the forward and dx; dgamma/dbeta summed per fixed
 // chunk of rows into the workspace, then over chunks in chunk order, so results are thread-count
-// invariant. float rows run in target clones (cpu_types.h).
+// invariant. Rows run in target clones (cpu_types.h).
 #include "layer_norm.h"
 
 #include <algorithm>
@@ -46,9 +46,9 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
 // scale-only), and each row's mean and rstd. g and b are gamma/beta in A (1 and 0 where absent);
 // buf holds cols values for staging a 16-bit row.
 template <typename T, typename A>
-FUSEDLAYERS_INLINE void forward_rows(const T* x, const A* g, const A* b, T* y, A* mean, A* rstd,
-                                     A* buf, int64_t begin, int64_t end, int64_t cols, A eps,
-                                     bool subtract_mean) {
+FUSEDLAYERS_CPU_CLONES void forward_rows(const T* x, const A* g, const A* b, T* y, A* mean,
+                                         A* rstd, A* buf, int64_t begin, int64_t end,
+                                         int64_t cols, A eps, bool subtract_mean) {
   for (int64_t r = begin; r < end; ++r) {
     const A* v = cpu::staged(x + r * cols, buf, cols);
     T* yr = y + r * cols;
@@ -63,13 +63,6 @@ FUSEDLAYERS_INLINE void forward_rows(const T* x, const A* g, const A* b, T* y, A
     mean[r] = mu;
     rstd[r] = rs;
   }
-}
-
-FUSEDLAYERS_CPU_CLONES void forward_rows_f32(const float* x, const float* g, const float* b,
-                                             float* y, float* mean, float* rstd, float* buf,
-                                             int64_t begin, int64_t end, int64_t cols, float eps,
-                                             bool subtract_mean) {
-  forward_rows(x, g, b, y, mean, rstd, buf, begin, end, cols, eps, subtract_mean);
 }
 
 // The backward's per-call inputs: dy, the saved input x (or output y), the row statistics,
@@ -90,8 +83,8 @@ struct BackwardArgs {
 // Rows [begin, end): dx, and dy * xhat and dy added into pg and pb (when not null) in row order.
 // buf holds 3 * cols values.
 template <typename T, typename A>
-FUSEDLAYERS_INLINE void backward_rows(const BackwardArgs<T, A>& a, A* pg, A* pb, A* buf,
-                                      int64_t begin, int64_t end) {
+FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A* pb, A* buf,
+                                          int64_t begin, int64_t end) {
   const int64_t cols = a.cols;
   const bool subtract_mean = a.subtract_mean;
   const A* g = a.g;
@@ -160,11 +153,6 @@ FUSEDLAYERS_INLINE void backward_rows(const BackwardArgs<T, A>& a, A* pg, A* pb,
   }
 }
 
-FUSEDLAYERS_CPU_CLONES void backward_rows_f32(const BackwardArgs<float, float>& a, float* pg,
-                                              float* pb, float* buf, int64_t begin, int64_t end) {
-  backward_rows(a, pg, pb, buf, begin, end);
-}
-
 }  // namespace
 
 void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, void* y,
@@ -190,11 +178,7 @@ void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, 
       A* mp = static_cast<A*>(mean);
       A* rp = static_cast<A*>(rstd);
       const A e = static_cast<A>(eps);
-      if constexpr (std::is_same_v<T, float>) {  // float rows in target clones
-        forward_rows_f32(xp, gp, bp, yp, mp, rp, buf.data(), begin, end, cols, e, subtract_mean);
-      } else {
-        forward_rows(xp, gp, bp, yp, mp, rp, buf.data(), begin, end, cols, e, subtract_mean);
-      }
+      forward_rows(xp, gp, bp, yp, mp, rp, buf.data(), begin, end, cols, e, subtract_mean);
     });
   });
 }
@@ -240,11 +224,7 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
         A* pb = want_params ? pg + cols : nullptr;
         if (want_params) std::fill(pg, pg + 2 * cols, A(0));
         const int64_t begin = c * per_chunk, end = std::min(rows, (c + 1) * per_chunk);
-        if constexpr (std::is_same_v<T, float>) {  // float rows in target clones
-          backward_rows_f32(args, pg, pb, buf.data(), begin, end);
-        } else {
-          backward_rows(args, pg, pb, buf.data(), begin, end);
-        }
+        backward_rows(args, pg, pb, buf.data(), begin, end);
       }
     });
 
