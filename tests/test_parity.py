@@ -135,10 +135,13 @@ def test_linear_gelu_float32_tolerance(rng, approximate, shape, out):
     yt, gts = torch_grads(lambda a, c, d: fl.linear_gelu(a, c, d, approximate), [xt, wt, bt], dyt)
     yf, gfs = tf_grads(lambda a, c, d: fl.linear_gelu(a, c, d, approximate), [xf, wf, bf], dyf)
     tol = 1e-6 * max(1.0, np.sqrt(shape[-1] / 64))  # GEMM rounding grows ~sqrt(in_features)
+    # dbias sums dy * gelu'(pre) over rows (|gelu'| < 1.13): a sum that cancels is judged against
+    # the size of its terms, as everywhere else.
+    scales = {"dbias": 1.13 * np.abs(dy).reshape(-1, out).sum(0)}
     for name, a, c in zip(("y", "dx", "dweight", "dbias"), (yt, *gts), (yf, *gfs)):
         a = a.detach().numpy()
         c = c.numpy()
         assert a.shape == c.shape, name
-        err = rel_err(a, c)
+        err = rel_err(a, c, scales.get(name))
         assert err <= tol, f"linear_gelu {name}: torch vs TF relative difference {err:.2e} > " \
                            f"{tol:.1e} ({rng})"
