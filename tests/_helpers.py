@@ -1,6 +1,11 @@
 """Test utilities: error measures, bitwise comparison, and strided views of fresh tensors
 (layouts: "contiguous", "transposed", "sliced" (last-dim stride 2), "expanded" (stride-0 rows))."""
 
+import os
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -88,3 +93,40 @@ def grads(out: torch.Tensor, inputs, grad_out: torch.Tensor):
     live = [t for t in inputs if t is not None]
     got = iter(torch.autograd.grad(out, live, grad_out.to(out.dtype)))
     return [None if t is None else next(got) for t in inputs]
+
+
+def assert_survives_subprocess(module: str, call: str, names, env_extra=None) -> None:
+    """Runs `module.<call>(name)` for each name in a fresh interpreter (for cases that could
+    crash it): fails with the case that was running if the interpreter exits early or fails."""
+    code = (f"import {module} as t\n"
+            f"for name in {list(names)!r}:\n"
+            "    print(name, flush=True)\n"
+            f"    t.{call}(name)\n"
+            "print('done', flush=True)\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, **(env_extra or {}), "PYTHONPATH": os.pathsep.join(
+        [tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=600)
+    last = proc.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+    assert proc.returncode == 0 and last == ["done"], (
+        f"rc {proc.returncode} during {last[0]}\n{proc.stderr[-4000:]}")
+
+
+def concurrent_mismatches(run, cases, same, repeats: int = 20) -> list:
+    """One thread per case (args, want) calling run(*args) `repeats` times at once; the args of
+    every result that is not same(result, want)."""
+    failures = []
+
+    def work(args, want):
+        for _ in range(repeats):
+            if not same(run(*args), want):
+                failures.append(args)
+
+    threads = [threading.Thread(target=work, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures
+

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedlayers as fl
-from _helpers import assert_bitwise
+from _helpers import assert_bitwise, concurrent_mismatches
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -354,26 +354,14 @@ def test_autocast_cuda_matches_native_policy(x_dtype):
 def test_threads_share_no_cublaslt_state():
     """Two host threads running linear_gelu of different shapes at once (cached cuBLASLt plans
     are per thread) get the same results as one thread."""
-    import threading
-    shapes = [(257, 96, 160), (64, 512, 1024)]
     cases = []
-    for m, k, n in shapes:
+    for m, k, n in [(257, 96, 160), (64, 512, 1024)]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        cases.append((x, w, fl.linear_gelu(x, w, None, "tanh")))
+        cases.append(((x, w), fl.linear_gelu(x, w, None, "tanh")))
     torch.cuda.synchronize()
-    failures = []
-
-    def work(x, w, want):
-        for _ in range(50):
-            if not torch.equal(fl.linear_gelu(x, w, None, "tanh"), want):
-                failures.append(x.shape)
-
-    threads = [threading.Thread(target=work, args=c) for c in cases]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    failures = concurrent_mismatches(lambda x, w: fl.linear_gelu(x, w, None, "tanh"), cases,
+                                     torch.equal, repeats=50)
     assert not failures
 
 

@@ -2,11 +2,7 @@
 argument and the expected vs received value; nothing silently wrong."""
 
 import math
-import os
 import re
-import subprocess
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -15,7 +11,8 @@ import torch.nn.functional as F
 
 import fusedlayers
 import fusedlayers.torch
-from _helpers import DEVICES, as_layout, leaf_shape
+from _helpers import (DEVICES, as_layout, assert_survives_subprocess, concurrent_mismatches,
+                      leaf_shape)
 from fusedlayers.torch import FusedLinearGELU, LayerNorm
 
 
@@ -358,19 +355,15 @@ def test_odd_input_risky_in_subprocess(device):
     """The cases that could crash, one fresh interpreter per device; it names the case running
     when it dies."""
     risky = [c for c in ODD_CASES if c.split(":")[1] in RISKY]
-    code = ("import sys, test_errors as t\n"
-            f"for name in {risky!r}:\n"
-            "    print(name, flush=True)\n"
-            f"    t.check_odd_case(name, {device!r})\n"
-            "print('done', flush=True)\n")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=600)
-    last = proc.stdout.strip().splitlines()[-1:] or ["(nothing)"]
-    assert proc.returncode == 0 and last == ["done"], (
-        f"rc {proc.returncode} during {last[0]}\n{proc.stderr[-4000:]}")
+    assert_survives_subprocess("test_errors", f"check_odd_case_on_{device}", risky)
+
+
+def check_odd_case_on_cpu(name: str) -> None:
+    check_odd_case(name, "cpu")
+
+
+def check_odd_case_on_cuda(name: str) -> None:
+    check_odd_case(name, "cuda")
 
 
 # ---------------------------------------------------------------- threads
@@ -397,18 +390,7 @@ def test_two_threads_same_op(op, device):
         w = torch.randn((cols,) if op == "layer_norm" else (cols // 2, cols), device=device,
                         requires_grad=True)
         dy = torch.randn(call(x, w).shape, device=device)
-        cases.append((x, w, dy, run(x, w, dy)))
-    failures = []
-
-    def work(x, w, dy, want):
-        for _ in range(20):
-            got = run(x, w, dy)
-            if not all(torch.equal(g, r) for g, r in zip(got, want)):
-                failures.append(tuple(x.shape))
-
-    threads = [threading.Thread(target=work, args=c) for c in cases]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+        cases.append(((x, w, dy), run(x, w, dy)))
+    failures = concurrent_mismatches(
+        run, cases, lambda got, want: all(torch.equal(g, r) for g, r in zip(got, want)))
+    assert not failures, [tuple(args[0].shape) for args in failures]

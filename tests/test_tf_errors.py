@@ -3,11 +3,7 @@ argument and the expected and received values (DESIGN.md, "Bad input"), eagerly 
 tf.function; the raw op's C++ OP_REQUIRES checks hold when the Python checks are bypassed."""
 
 import math
-import os
 import re
-import subprocess
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -17,6 +13,7 @@ tf = pytest.importorskip("tensorflow")
 import fusedlayers as fl  # noqa: E402
 from fusedlayers.tensorflow import layer_norm_trailing, ops  # noqa: E402
 
+from _helpers import assert_survives_subprocess, concurrent_mismatches  # noqa: E402
 from _tf_utils import rng  # noqa: E402,F401
 
 keras = pytest.importorskip("keras")
@@ -413,19 +410,8 @@ def test_odd_input(name):
 def test_odd_input_risky_in_subprocess():
     risky = [c for c in ODD_CASES if c.split(":")[1] in RISKY
              and (c[0].islower() or keras.backend.backend() == "tensorflow")]
-    code = ("import test_tf_errors as t\n"
-            f"for name in {risky!r}:\n"
-            "    print(name, flush=True)\n"
-            "    t.check_odd_case(name)\n"
-            "print('done', flush=True)\n")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(
-        [tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=600)
-    last = proc.stdout.strip().splitlines()[-1:] or ["(nothing)"]
-    assert proc.returncode == 0 and last == ["done"], (
-        f"rc {proc.returncode} during {last[0]}\n{proc.stderr[-4000:]}")
+    assert_survives_subprocess("test_tf_errors", "check_odd_case", risky,
+                               {"TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
 @pytest.mark.parametrize("op", ("relu_scale", "layer_norm", "linear_gelu"))
@@ -449,18 +435,8 @@ def test_two_threads_same_op(op, rng):
         x = tf.constant(rng.normal((rows, cols)), tf.float32)
         w = tf.constant(rng.normal((cols,) if op == "layer_norm" else (cols // 2, cols)),
                         tf.float32)
-        cases.append((x, w, run(x, w)))
-    failures = []
-
-    def work(x, w, want):
-        for _ in range(20):
-            if not all(np.array_equal(g, r, equal_nan=True) for g, r in zip(run(x, w), want)):
-                failures.append(tuple(x.shape))
-
-    threads = [threading.Thread(target=work, args=c) for c in cases]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
-
+        cases.append(((x, w), run(x, w)))
+    failures = concurrent_mismatches(
+        run, cases,
+        lambda got, want: all(np.array_equal(g, r, equal_nan=True) for g, r in zip(got, want)))
+    assert not failures, [tuple(args[0].shape) for args in failures]

@@ -11,6 +11,7 @@ The linear part of linear_gelu is TF's own matmul; the bias + GELU epilogue and 
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from .. import _args
@@ -23,7 +24,7 @@ except _library.OpLibraryNotBuiltError as e:  # importing must not fail; the fir
     _lib, _LOAD_ERROR = None, str(e)
 
 _FLOATS = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
-_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _invalid(message: str) -> tf.errors.InvalidArgumentError:
@@ -62,7 +63,7 @@ def relu_scale(x, alpha: float) -> tf.Tensor:
     alpha = _args.real("fusedlayers.relu_scale", "alpha", alpha)
     if not math.isfinite(alpha):
         raise _invalid(f"fusedlayers.relu_scale: alpha must be finite, got {alpha}")
-    return _lib.fusedlayers_relu_scale(x, alpha=float(alpha))[0]  # [1]: the mask for the gradient
+    return _lib.fusedlayers_relu_scale(x, alpha=alpha)[0]  # [1]: the mask for the gradient
 
 
 def dense_gelu(x, kernel, bias=None, approximate: str = "none") -> tf.Tensor:
