@@ -6,6 +6,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 // The CUDA stream type, declared exactly as the CUDA runtime declares it, so headers can name
 // CUDA entry points without pulling CUDA headers into CPU-only builds.
@@ -31,12 +32,67 @@ inline const char* dtype_name(DType t) {
 using RangeFn = std::function<void(int64_t begin, int64_t end)>;
 using ParallelFor = std::function<void(int64_t n, int64_t grain, const RangeFn& fn)>;
 
-// Thrown for invalid arguments; bindings map it to ValueError / InvalidArgumentError.
+// Where a pass runs: on the CPU with the binding's thread pool, or on a CUDA stream of the
+// current device. The op entry points (csrc/<op>.h) pick the CPU or CUDA kernels from it.
+struct Exec {
+  ParallelFor parallel_for;  // CPU
+  cudaStream_t stream = nullptr;
+  bool cuda = false;
+
+  static Exec cpu(ParallelFor pf) { return {std::move(pf), nullptr, false}; }
+  static Exec gpu(cudaStream_t s) { return {nullptr, s, true}; }
+};
+
+// A shape as the binding holds it (a view: the binding keeps the storage alive for the call).
+struct Sizes {
+  const int64_t* data = nullptr;
+  int64_t size = 0;
+
+  int64_t operator[](int64_t i) const { return data[i]; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t i = 0; i < size; ++i) n *= data[i];
+    return n;
+  }
+  bool operator==(const Sizes& o) const {
+    if (size != o.size) return false;
+    for (int64_t i = 0; i < size; ++i)
+      if (data[i] != o.data[i]) return false;
+    return true;
+  }
+  // The last n sizes.
+  Sizes tail(int64_t n) const { return {data + (size - n), n}; }
+  std::string str() const {
+    std::string s = "[";
+    for (int64_t i = 0; i < size; ++i) s += (i ? ", " : "") + std::to_string(data[i]);
+    return s + "]";
+  }
+};
+
+// A contiguous row-major tensor handed to an op entry point; `defined` is false for an absent
+// optional argument (data may be null for an empty tensor that is present).
+struct TensorRef {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  Sizes sizes;
+  bool defined = false;
+};
+
+// Thrown for invalid arguments. Bindings map kValue to ValueError / InvalidArgumentError and
+// kType (a dtype that the op does not take) to TypeError / InvalidArgumentError.
 class Error : public std::invalid_argument {
  public:
-  using std::invalid_argument::invalid_argument;
+  enum class Kind { kValue, kType };
+  Error(const std::string& msg, Kind kind = Kind::kValue)
+      : std::invalid_argument(msg), kind(kind) {}
+  Kind kind;
 };
 
 [[noreturn]] inline void fail(const std::string& msg) { throw Error("fusedlayers: " + msg); }
+// An argument error of op `op` (as the user calls it: "fusedlayers.<op>: ...").
+[[noreturn]] inline void arg_error(const char* op, const std::string& msg,
+                                   Error::Kind kind = Error::Kind::kValue) {
+  throw Error(std::string("fusedlayers.") + op + ": " + msg, kind);
+}
 
 }  // namespace fusedlayers

@@ -1,64 +1,51 @@
-// Layer normalization over the last `cols` elements of a rows x cols row-major view
-// (Ba, Kiros, Hinton 2016, "Layer Normalization", arXiv:1607.06450):
+// The LayerNorm op: torch.nn.functional.layer_norm's contract, plus Keras' rms_scaling, on the
+// row normalization kernels of norm.h (the math, dtypes and determinism are stated there).
 //
-//   mean = sum_j x_j / cols,  var = sum_j (x_j - mean)^2 / cols  (biased, as torch and Keras)
-//   rstd = 1 / sqrt(var + eps),  xhat = (x - mean) * rstd,  y = xhat * gamma + beta
-//
-// Backward, with g = dy * gamma (dy where gamma is absent):
-//   dx = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))
-//   dgamma = sum_rows dy * xhat,  dbeta = sum_rows dy
-//
-// With subtract_mean = false (Keras' LayerNormalization(rms_scaling=True), whose code scales by
-// the centered variance and adds no beta): y = x * rstd * gamma, and
-//   dx = rstd * (g - xhat * rstd * mean_j(g * x)),  dgamma = sum dy * x * rstd
-//
-// Dtypes: x, y, dy, dx share `dtype` (float32, float64, float16, bfloat16). gamma/beta/dgamma/dbeta
-// share `param_dtype`, which is `dtype`, or float32 for float16/bfloat16 x. mean/rstd are float32 (float64 when dtype is
-// float64). Statistics and sums accumulate in float32 (float64 for float64). The variance is taken
-// in two passes over the row, so no cancellation and no padding terms enter it.
+// Every argument rule is checked here, for every binding: input's trailing dims equal
+// normalized_shape (non-empty, positive sizes); weight and bias have shape normalized_shape and
+// input's dtype, or float32 for float16/bfloat16 input, one dtype for both; eps finite and >= 0;
+// no bias with rms_scaling; memory_efficient only without rms_scaling. Errors: Error of kind
+// kType for dtypes, kValue otherwise. Tensors are contiguous; the bindings allocate the outputs.
 #pragma once
 
-#include <cstddef>
-
-#include "common.h"
+#include "norm.h"
 
 namespace fusedlayers {
 
-// x, y: rows x cols; gamma, beta: cols or nullptr; mean, rstd: rows. rows >= 0, cols >= 1.
-void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, void* y,
-                            void* mean, void* rstd, int64_t rows, int64_t cols, double eps,
-                            bool subtract_mean, DType dtype, DType param_dtype,
-                            const ParallelFor& parallel_for);
+struct LayerNormForward {
+  TensorRef input;  // (..., *normalized_shape)
+  Sizes normalized_shape;
+  TensorRef weight, bias;  // normalized_shape, or not defined
+  double eps = 1e-5;
+  bool rms_scaling = false;  // NormMode::kKerasRmsScaling instead of kLayer
+  // Outputs: out like input; mean, rstd of input's leading dims in norm_stat_dtype(input.dtype).
+  void* out = nullptr;
+  void* mean = nullptr;
+  void* rstd = nullptr;
+};
 
-// Bytes of workspace layer_norm_backward_cpu needs: per-chunk partial dgamma/dbeta sums.
-size_t layer_norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype);
+struct LayerNormBackward {
+  TensorRef grad_out;  // like saved
+  TensorRef saved;     // input, or out when memory_efficient
+  TensorRef mean, rstd;
+  Sizes normalized_shape;
+  TensorRef weight, bias;
+  bool memory_efficient = false, rms_scaling = false;
+  // Outputs: grad_input like saved; grad_weight / grad_bias like weight / bias where defined.
+  void* grad_input = nullptr;
+  void* grad_weight = nullptr;
+  void* grad_bias = nullptr;
+  void* workspace = nullptr;  // layer_norm_backward_workspace_size() bytes
+};
 
-// saved: x, or y when `saved_is_output` (Apex's memory_efficient mode: xhat = (y - beta) / gamma,
-// which requires gamma to have no zeros; not with subtract_mean = false). mean is unused when
-// saved_is_output.
-// dgamma (dbeta) may be nullptr when gamma (beta) is absent; they are fully written otherwise,
-// also for rows == 0. The result does not depend on how parallel_for splits the work.
-void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean,
-                             const void* rstd, const void* gamma, const void* beta, void* dx,
-                             void* dgamma, void* dbeta, void* workspace, int64_t rows,
-                             int64_t cols, bool saved_is_output, bool subtract_mean, DType dtype,
-                             DType param_dtype, const ParallelFor& parallel_for);
+// Checks every argument rule; rows x cols of the normalized view.
+NormRows layer_norm_forward_check(const LayerNormForward& a);
+NormRows layer_norm_backward_check(const LayerNormBackward& a);
 
-// CUDA: the same contract on device pointers, launched on `stream` of the current device, for
-// float32/float16/bfloat16 x (float64 is CPU only). Rows are held in registers and split over a
-// warp or a block by width (see the table in layer_norm_cuda.cu); dgamma/dbeta come from per-group
-// partials in the workspace reduced in a fixed order, so repeated runs are bitwise equal.
-void layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
-                             void* mean, void* rstd, int64_t rows, int64_t cols, double eps,
-                             bool subtract_mean, DType dtype, DType param_dtype,
-                             cudaStream_t stream);
-
-size_t layer_norm_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype);
-
-void layer_norm_backward_cuda(const void* dy, const void* saved, const void* mean,
-                              const void* rstd, const void* gamma, const void* beta, void* dx,
-                              void* dgamma, void* dbeta, void* workspace, int64_t rows,
-                              int64_t cols, bool saved_is_output, bool subtract_mean,
-                              DType dtype, DType param_dtype, cudaStream_t stream);
+// Run the pass on exec's device; a must have passed its check.
+void layer_norm_forward(const LayerNormForward& a, NormRows rc, const Exec& exec);
+size_t layer_norm_backward_workspace_size(const LayerNormBackward& a, NormRows rc,
+                                          const Exec& exec);
+void layer_norm_backward(const LayerNormBackward& a, NormRows rc, const Exec& exec);
 
 }  // namespace fusedlayers

@@ -119,20 +119,20 @@ def gelu64(u, approximate):
     return 0.5 * u * tf.math.erfc(-u * np.sqrt(0.5))
 
 
-def ln_grad_scales(x64, g64, dy64, k, eps, subtract_mean=True):
+def ln_grad_scales(x64, g64, dy64, k, eps, rms_scaling=False):
     """Magnitudes of the terms summed into dx, dgamma, dbeta of a layer norm over the trailing
     k dims (float64): the denominators of their relative errors, so a gradient that cancels to
     ~0 is judged against what was summed. With gy = dy * gamma, xc = (x - mean) * rstd:
       standard: dx = rstd (gy - mean(gy) - xc mean(gy xc)),  dgamma = sum dy xc, dbeta = sum dy
-      rms (subtract_mean=False): dx = rstd (gy - xc mean(gy x rstd)), dgamma = sum dy x rstd."""
+      rms (rms_scaling=True): dx = rstd (gy - xc mean(gy x rstd)), dgamma = sum dy x rstd."""
     axes = tuple(range(x64.ndim - k, x64.ndim))
     lead = tuple(range(x64.ndim - k))
     mean = x64.mean(axes, keepdims=True)
     rstd = 1 / np.sqrt(((x64 - mean) ** 2).mean(axes, keepdims=True) + eps)
     xc = np.abs((x64 - mean) * rstd)
-    xs = xc if subtract_mean else np.abs(x64 * rstd)  # what multiplies dy in y
+    xs = xc if not rms_scaling else np.abs(x64 * rstd)  # what multiplies dy in y
     gy = np.abs(dy64 * (g64 if g64 is not None else 1.0))
-    dx = rstd * (gy + (gy.mean(axes, keepdims=True) if subtract_mean else 0.0)
+    dx = rstd * (gy + (gy.mean(axes, keepdims=True) if not rms_scaling else 0.0)
                  + xc * (gy * xs).mean(axes, keepdims=True))
     return dx, np.sum(np.abs(dy64) * xs, axis=lead), np.sum(np.abs(dy64), axis=lead)
 

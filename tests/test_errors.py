@@ -58,14 +58,15 @@ def test_layer_norm_param_shape(arg, shape):
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,b_dtype,match", [
-    (torch.float32, torch.float64, None, r"weight must have input's dtype Float, got Double"),
-    (torch.float32, None, torch.float16, r"bias must have input's dtype Float, got Half"),
-    (torch.float32, torch.int32, None, r"weight must have input's dtype Float, got Int"),
-    (torch.float64, torch.float32, None, r"weight must have input's dtype Double, got Float"),
+    (torch.float32, torch.float64, None, r"weight must have input's dtype float32, got float64"),
+    (torch.float32, None, torch.float16, r"bias must have input's dtype float32, got float16"),
+    (torch.float32, torch.int32, None,
+     r"weight must be float32, float64, float16 or bfloat16, got Int"),
+    (torch.float64, torch.float32, None, r"weight must have input's dtype float64, got float32"),
     (torch.bfloat16, torch.float16, None,
-     r"weight must have input's dtype BFloat16 or float32, got Half"),
+     r"weight must have input's dtype bfloat16 or float32, got float16"),
     (torch.bfloat16, torch.float32, torch.bfloat16,
-     r"weight and bias must share a dtype, got Float and BFloat16"),
+     r"weight and bias must share a dtype, got float32 and bfloat16"),
 ])
 def test_layer_norm_param_dtype(x_dtype, w_dtype, b_dtype, match):
     w = None if w_dtype is None else torch.ones(7, dtype=w_dtype)

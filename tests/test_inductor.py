@@ -69,7 +69,7 @@ def test_layer_norm_decomposition(device, dtype, param_dtype, normalized_shape, 
     w = (torch.rand(normalized_shape, device=device, dtype=param_dtype) + 0.5) if affine else None
     b = (torch.randn(normalized_shape, device=device, dtype=param_dtype)
          if affine and mode != "rms_scaling" else None)  # rms_scaling adds no beta
-    flags = (mode == "memory_efficient", mode != "rms_scaling")
+    flags = (mode == "memory_efficient", mode == "rms_scaling")
     args = (x, list(normalized_shape), w, b, 1e-5, *flags)
     for got, ref, what in zip(decomposed("layer_norm", *args), fl.layer_norm(*args),
                               ("out", "mean", "rstd")):
@@ -144,7 +144,7 @@ class RMSScaling(nn.Module):
         self.gamma = nn.Parameter(torch.rand(width) + 0.5)
 
     def forward(self, x):
-        return ops.layer_norm_trailing(x, 1, self.gamma, None, subtract_mean=False)
+        return ops.layer_norm_trailing(x, 1, self.gamma, None, rms_scaling=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -122,7 +122,7 @@ def test_layer_norm_matches_keras(rng, axis, center, scale, rms):
     perm = [d for d in range(len(shape)) if d not in axes] + axes
     gam = f64(ref.gamma).reshape([shape[a] for a in axes]) if ref.gamma is not None else None
     sc = ln_grad_scales(x64.transpose(perm), gam, f64(dy).transpose(perm), len(axes),
-                        kw["epsilon"], subtract_mean=not rms)[0]
+                        kw["epsilon"], rms_scaling=rms)[0]
     scales = {"x": sc.transpose(np.argsort(perm))}
     for name in gr:
         assert g[name] is not None, f"{what}: no gradient for {name}"

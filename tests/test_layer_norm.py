@@ -319,7 +319,7 @@ def test_opcheck_backward(memory_efficient, params):
                           (torch.randn(5, 7), saved, mean, rstd, [7], w, b, memory_efficient))
 
 
-# subtract_mean=False: Keras' LayerNormalization(rms_scaling=True), used by fusedlayers.keras
+# rms_scaling=True: Keras' LayerNormalization(rms_scaling=True), used by fusedlayers.keras
 # under KERAS_BACKEND=torch: y = x * rsqrt(var(x) + eps) * gamma (centered variance, no beta).
 
 def rms_scaling64(x, norm_ndims, gamma, eps):
@@ -332,12 +332,12 @@ def rms_scaling64(x, norm_ndims, gamma, eps):
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("with_gamma", (True, False))
 @pytest.mark.parametrize("shape,norm_ndims", [((33, 1000), 1), ((4, 6, 10), 2), ((0, 7), 1)])
-def test_subtract_mean_false(shape, norm_ndims, with_gamma, dtype):
+def test_rms_scaling(shape, norm_ndims, with_gamma, dtype):
     x = (torch.randn(shape, dtype=torch.float64) + 0.7).to(dtype).requires_grad_()
     gamma = (torch.randn(shape[len(shape) - norm_ndims:], dtype=torch.float64).to(dtype)
              .requires_grad_() if with_gamma else None)
     g = torch.randn(shape, dtype=torch.float64).to(dtype)
-    y = ops.layer_norm_trailing(x, norm_ndims, gamma, None, 1e-3, subtract_mean=False)
+    y = ops.layer_norm_trailing(x, norm_ndims, gamma, None, 1e-3, rms_scaling=True)
     assert y.dtype == dtype
     ours = [y, *grads(y, [x, gamma], g)]
     x64, gamma64 = f64(x), f64(gamma)
@@ -349,21 +349,21 @@ def test_subtract_mean_false(shape, norm_ndims, with_gamma, dtype):
             assert rel_err(a, r) <= tol, name
 
 
-def test_subtract_mean_false_gradcheck_and_opcheck():
+def test_rms_scaling_gradcheck_and_opcheck():
     x = (torch.randn(4, 7, dtype=torch.float64) + 0.5).requires_grad_()
     gamma = torch.randn(7, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda a, b: ops.layer_norm_trailing(a, 1, b, None, 1e-3, subtract_mean=False),
+        lambda a, b: ops.layer_norm_trailing(a, 1, b, None, 1e-3, rms_scaling=True),
         (x, gamma))
     torch.library.opcheck(torch.ops.fusedlayers.layer_norm.default,
                           (x.float().detach().requires_grad_(), [7],
                            gamma.float().detach().requires_grad_(), None, 1e-3, False, False))
 
 
-def test_subtract_mean_false_rejects_bias():
-    with pytest.raises(ValueError, match=r"bias must be None when subtract_mean is False"):
+def test_rms_scaling_rejects_bias():
+    with pytest.raises(ValueError, match=r"bias must be None when rms_scaling is True"):
         ops.layer_norm_trailing(torch.randn(3, 7), 1, None, torch.randn(7), 1e-3,
-                                subtract_mean=False)
+                                rms_scaling=True)
 
 
 def rms_scaling_grad_scales(x, gamma, dy, eps):
@@ -378,7 +378,7 @@ def rms_scaling_grad_scales(x, gamma, dy, eps):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows,cols", [(4096, 4), (1024, 768), (256, 4097)])
 @pytest.mark.parametrize("offset", (10.0, 100.0))
-def test_subtract_mean_false_offset_rows(offset, rows, cols, device):
+def test_rms_scaling_offset_rows(offset, rows, cols, device):
     """Rows whose mean is 10 and 100 standard deviations from zero, where dx of rms_scaling is a
     small difference of large terms: dx and dgamma within 2x torch's own float32 autograd error
     (each judged against the magnitudes of the terms it sums) over four draws."""
@@ -388,7 +388,7 @@ def test_subtract_mean_false_offset_rows(offset, rows, cols, device):
         x = (torch.randn(rows, cols) + offset).to(device).requires_grad_()
         gamma = (1 + 0.5 * torch.randn(cols)).to(device).requires_grad_()
         dy = torch.randn(rows, cols).to(device)
-        y = ops.layer_norm_trailing(x, 1, gamma, None, eps, subtract_mean=False)
+        y = ops.layer_norm_trailing(x, 1, gamma, None, eps, rms_scaling=True)
         ours = torch.autograd.grad(y, (x, gamma), dy)
         torch_own = torch.autograd.grad(rms_scaling64(x, 1, gamma, eps), (x, gamma), dy)
         x64, gamma64 = f64(x), f64(gamma)

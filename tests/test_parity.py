@@ -109,9 +109,9 @@ def test_layer_norm_rms_bitwise(rng, shape, k):
     xt, xf = to_both(x, "float32")
     gt, gf = to_both(g, "float32")
     dyt, dyf = to_both(dy, "float32", requires_grad=False)
-    yt, gts = torch_grads(lambda a, c: torch_trailing(a, k, c, None, 1e-3, subtract_mean=False),
+    yt, gts = torch_grads(lambda a, c: torch_trailing(a, k, c, None, 1e-3, rms_scaling=True),
                           [xt, gt], dyt)
-    yf, gfs = tf_grads(lambda a, c: tf_trailing(a, k, c, None, 1e-3, subtract_mean=False),
+    yf, gfs = tf_grads(lambda a, c: tf_trailing(a, k, c, None, 1e-3, rms_scaling=True),
                        [xf, gf], dyf)
     same(yt, yf, "rms y", rng)
     for name, a, c in zip(("dx", "dgamma"), gts, gfs):

@@ -51,7 +51,7 @@ def f32_exact(v: float) -> float:
 # Unfused references (TF ops). In float64 they are the reference; in the test dtype, the
 # baseline whose error calibrates the tolerance.
 
-def tf_layer_norm(x, k, g=None, b=None, eps=1e-5, subtract_mean=True):
+def tf_layer_norm(x, k, g=None, b=None, eps=1e-5, rms_scaling=False):
     dtype = x.dtype
     cdt = tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype  # half: compute in fp32
     x = tf.cast(x, cdt)
@@ -59,7 +59,7 @@ def tf_layer_norm(x, k, g=None, b=None, eps=1e-5, subtract_mean=True):
     mean = tf.reduce_mean(x, axes, keepdims=True)
     var = tf.reduce_mean(tf.square(x - mean), axes, keepdims=True)
     rstd = tf.math.rsqrt(var + tf.constant(eps, cdt))  # not tf.cast: float32 first
-    y = (x - mean) * rstd if subtract_mean else x * rstd
+    y = (x - mean) * rstd if not rms_scaling else x * rstd
     if g is not None:
         y = y * tf.cast(g, cdt)
     if b is not None:
@@ -271,25 +271,25 @@ def test_layer_norm_forward_backward(rng, dtype, shape, nshape):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_layer_norm_rms_scaling_trailing(rng, dtype):
-    """layer_norm_trailing(subtract_mean=False): Keras' rms_scaling, x * rsqrt(var + eps) * g."""
+    """layer_norm_trailing(rms_scaling=True): Keras' rms_scaling, x * rsqrt(var + eps) * g."""
     shape, nshape = (5, 4, 33), [4, 33]
     param_dtype = "float32" if dtype in HALF else dtype
     (x, x64), (g, g64), _, (dy, dy64) = ln_inputs(rng, shape, nshape, dtype, param_dtype)
     eps = f32_exact(1e-3)
     for gg, g64_ in ((g, tf.constant(g64)), (None, None)):
-        y = layer_norm_trailing(x, 2, gg, None, eps, subtract_mean=False)
-        ref = tf_layer_norm(tf.constant(x64), 2, g64_, None, eps, subtract_mean=False)
-        base = tf_layer_norm(x, 2, gg, None, eps, subtract_mean=False)
+        y = layer_norm_trailing(x, 2, gg, None, eps, rms_scaling=True)
+        ref = tf_layer_norm(tf.constant(x64), 2, g64_, None, eps, rms_scaling=True)
+        base = tf_layer_norm(x, 2, gg, None, eps, rms_scaling=True)
         assert_calibrated(rel_err(y, ref), rel_err(base, ref), "rms layer_norm", dtype=dtype,
                           numel=x64.size, rng=rng, floor=floor(dtype))
-        ours = tf_grads(lambda a, c: layer_norm_trailing(a, 2, c, None, eps, subtract_mean=False),
+        ours = tf_grads(lambda a, c: layer_norm_trailing(a, 2, c, None, eps, rms_scaling=True),
                         [x, gg], dy)[1]
-        basel = tf_grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, subtract_mean=False),
+        basel = tf_grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, rms_scaling=True),
                          [x, gg], dy)[1]
-        refg = tf_grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, subtract_mean=False),
+        refg = tf_grads(lambda a, c: tf_layer_norm(a, 2, c, None, eps, rms_scaling=True),
                         [tf.constant(x64), g64_], tf.constant(dy64))[1]
         scales = ln_grad_scales(x64, g64 if gg is not None else None, dy64, 2, eps,
-                                subtract_mean=False)
+                                rms_scaling=True)
         for name, o, bl, r, sc in zip(("dx", "dgamma"), ours, basel, refg, scales):
             if r is None:
                 assert o is None
@@ -302,8 +302,8 @@ def test_layer_norm_rms_scaling_trailing(rng, dtype):
 
 @pytest.mark.parametrize("loc", (10.0, 100.0))
 @pytest.mark.parametrize("shape", ((256, 4), (64, 768)))
-@pytest.mark.parametrize("subtract_mean", (True, False), ids=("standard", "rms"))
-def test_layer_norm_grads_offset_rows(rng, subtract_mean, shape, loc):
+@pytest.mark.parametrize("rms_scaling", (False, True), ids=("standard", "rms"))
+def test_layer_norm_grads_offset_rows(rng, rms_scaling, shape, loc):
     """dx and dgamma for rows with |mean| = 10 and 100 std, where rms mode's dx (Keras'
     rms_scaling) is a small difference of large terms; judged (like every gradient here) against
     the magnitudes of the terms their formulas sum: within 2x TF's own autodiff + 2 ulps over
@@ -311,10 +311,10 @@ def test_layer_norm_grads_offset_rows(rng, subtract_mean, shape, loc):
     eps = f32_exact(1e-3)
 
     def fused(a, c):
-        return layer_norm_trailing(a, 1, c, None, eps, subtract_mean=subtract_mean)
+        return layer_norm_trailing(a, 1, c, None, eps, rms_scaling=rms_scaling)
 
     def unfused(a, c):
-        return tf_layer_norm(a, 1, c, None, eps, subtract_mean=subtract_mean)
+        return tf_layer_norm(a, 1, c, None, eps, rms_scaling=rms_scaling)
 
     draws = {"dx": [], "dgamma": []}  # (ours, TF's, reference, scale) per draw
     for _ in range(4):
@@ -323,13 +323,13 @@ def test_layer_norm_grads_offset_rows(rng, subtract_mean, shape, loc):
         dy, dy64 = const(rng.normal(shape), "float32")
         ours, base = tf_grads(fused, [x, g], dy)[1], tf_grads(unfused, [x, g], dy)[1]
         ref = tf_grads(unfused, [tf.constant(x64), tf.constant(g64)], tf.constant(dy64))[1]
-        scales = ln_grad_scales(x64, g64, dy64, 1, eps, subtract_mean=subtract_mean)
+        scales = ln_grad_scales(x64, g64, dy64, 1, eps, rms_scaling=rms_scaling)
         for name, *arrays in zip(draws, ours, base, ref, scales):
             draws[name].append([f64(a).ravel() for a in arrays])
     for name, arrays in draws.items():  # judged over all draws: one error per gradient
         o, b, r, sc = (np.concatenate(a) for a in zip(*arrays))
         assert_calibrated(rel_err(o, r, sc), rel_err(b, r, sc),
-                          f"layer_norm {name} (subtract_mean={subtract_mean}), rows at {loc} std",
+                          f"layer_norm {name} (rms_scaling={rms_scaling}), rows at {loc} std",
                           dtype="float32", numel=r.size // len(arrays), rng=rng,
                           floor=floor("float32"))  # the ulp term: one draw's size
 
@@ -483,7 +483,7 @@ def test_compute_gradient_layer_norm(rng, shape, nshape):
     check_gradient(lambda a: fl.layer_norm(a, nshape, None, None, eps), [x], rng,
                    "layer_norm(x)")
     k = len(nshape)
-    check_gradient(lambda a, c: layer_norm_trailing(a, k, c, None, eps, subtract_mean=False),
+    check_gradient(lambda a, c: layer_norm_trailing(a, k, c, None, eps, rms_scaling=True),
                    [x, g], rng, "layer_norm rms_scaling(x, gamma)")
 
 

@@ -2,11 +2,14 @@
 // parallel-for, the op's GPU stream for the csrc CUDA launchers, csrc errors turned into
 // InvalidArgumentError, raw pointers of TF tensors, and the CPU + GPU kernel registration.
 //
-// Each OpKernel is a template on `bool kGpu` and calls the csrc *_cpu or *_cuda entry point with
-// `if constexpr`; the GPU instantiations exist only when built with GOOGLE_CUDA.
+// Each OpKernel is a template on `bool kGpu`, which picks the csrc entry point's Exec (or, for the
+// ops not yet on one, the *_cpu or *_cuda call); the GPU instantiations exist only with
+// GOOGLE_CUDA.
 #pragma once
 
 #include <string>
+
+#include "absl/container/inlined_vector.h"
 
 #include "csrc/common.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -48,15 +51,44 @@ inline cudaStream_t gpu_stream(OpKernelContext* ctx) {
 }
 #endif
 
-// Runs a csrc call; its argument errors fail the op with InvalidArgumentError.
+// Runs a csrc call; its argument errors fail the op with InvalidArgumentError. Returns whether
+// it succeeded.
 template <typename Fn>
-void call_csrc(OpKernelContext* ctx, Fn&& fn) {
+bool call_csrc(OpKernelContext* ctx, Fn&& fn) {
   try {
     fn();
+    return true;
   } catch (const Error& e) {
     ctx->CtxFailure(absl::InvalidArgumentError(e.what()));
+    return false;
   }
 }
+
+// Where csrc runs a pass of Kernel<kGpu>: TF's intra-op pool, or the op's GPU stream.
+template <bool kGpu>
+Exec exec_for(OpKernelContext* ctx) {
+  if constexpr (kGpu)
+    return Exec::gpu(gpu_stream(ctx));
+  else
+    return Exec::cpu(tf_parallel_for(ctx));
+}
+
+// A csrc view of a TF tensor (not defined when `defined` is false), holding its sizes.
+class Ref {
+ public:
+  explicit Ref(const Tensor& t, bool defined = true) {
+    for (int d = 0; d < t.dims(); ++d) dims_.push_back(t.dim_size(d));
+    ref_ = {const_cast<char*>(t.tensor_data().data()), to_dtype(t.dtype()),
+            {dims_.data(), static_cast<int64_t>(dims_.size())}, defined};
+  }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  const TensorRef& operator*() const { return ref_; }
+
+ private:
+  absl::InlinedVector<int64_t, 6> dims_;
+  TensorRef ref_;
+};
 
 inline const void* ptr(const Tensor& t) { return t.tensor_data().data(); }
 inline void* mutable_ptr(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }

@@ -40,7 +40,7 @@ REGISTER_OP("FusedlayersLayerNorm")
     .Attr("epsilon: float")
     .Attr("has_gamma: bool")
     .Attr("has_beta: bool")
-    .Attr("subtract_mean: bool = true")
+    .Attr("rms_scaling: bool = false")
     .Attr("T: {float, double, half, bfloat16}")
     .Attr("P: {float, double, half, bfloat16}")
     .Attr("U: {float, double}")
@@ -67,7 +67,7 @@ REGISTER_OP("FusedlayersLayerNormGrad")
     .Attr("norm_ndims: int >= 1")
     .Attr("has_gamma: bool")
     .Attr("has_beta: bool")
-    .Attr("subtract_mean: bool = true")
+    .Attr("rms_scaling: bool = false")
     .Attr("T: {float, double, half, bfloat16}")
     .Attr("P: {float, double, half, bfloat16}")
     .Attr("U: {float, double}")
@@ -79,151 +79,98 @@ REGISTER_OP("FusedlayersLayerNormGrad")
     })
     .Doc("dx, dgamma, dbeta of FusedlayersLayerNorm (dgamma/dbeta empty when absent).");
 
-// The attributes and checks both ops share.
-class LayerNormBase : public OpKernel {
+// Kernel<kGpu> of both ops: tensor conversion around csrc/layer_norm.h, which checks every
+// argument (normalized_shape is the trailing norm_ndims dims of x).
+template <bool kGpu>
+class LayerNormOp : public OpKernel {
  public:
-  explicit LayerNormBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit LayerNormOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("norm_ndims", &norm_ndims_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("has_gamma", &has_gamma_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("has_beta", &has_beta_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("subtract_mean", &subtract_mean_));
-  }
-
- protected:
-  // Returns false (with the op failed) unless x, gamma, beta and the stats dtype agree.
-  bool Check(OpKernelContext* ctx, const char* op, const Tensor& x, const Tensor& gamma,
-             const Tensor& beta, ::tensorflow::DataType stat_dtype, int64_t* rows,
-             int64_t* cols) {
-    const int nd = x.dims();
-    if (nd < norm_ndims_) {
-      ctx->CtxFailure(absl::InvalidArgumentError(
-          std::string("fusedlayers.") + op + ": x must have at least " +
-          std::to_string(norm_ndims_) + " dims, got shape " + shape_str(x.shape())));
-      return false;
-    }
-    TensorShape norm_shape;
-    for (int d = nd - norm_ndims_; d < nd; ++d) norm_shape.AddDim(x.dim_size(d));
-    *cols = norm_shape.num_elements();
-    *rows = *cols == 0 ? 0 : x.NumElements() / *cols;
-    for (const auto& [name, t, present] :
-         {std::tuple{"gamma", &gamma, has_gamma_}, std::tuple{"beta", &beta, has_beta_}}) {
-      if (present && t->shape() != norm_shape) {
-        ctx->CtxFailure(absl::InvalidArgumentError(
-            std::string("fusedlayers.") + op + ": " + name + " must have shape " +
-            shape_str(norm_shape) + " (the normalized dims of x " + shape_str(x.shape()) +
-            "), got " + shape_str(t->shape())));
-        return false;
-      }
-    }
-    const auto want = x.dtype() == ::tensorflow::DT_DOUBLE ? ::tensorflow::DT_DOUBLE
-                                                           : ::tensorflow::DT_FLOAT;
-    if (stat_dtype != want) {
-      ctx->CtxFailure(absl::InvalidArgumentError(
-          std::string("fusedlayers.") + op + ": mean/rstd dtype must be " +
-          ::tensorflow::DataTypeString(want) + ", got " +
-          ::tensorflow::DataTypeString(stat_dtype)));
-      return false;
-    }
-    return true;
-  }
-
-  int norm_ndims_;
-  bool has_gamma_, has_beta_, subtract_mean_;
-};
-
-template <bool kGpu>
-class LayerNormOp : public LayerNormBase {
- public:
-  explicit LayerNormOp(OpKernelConstruction* ctx) : LayerNormBase(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rms_scaling", &rms_scaling_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("U", &stat_dtype_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    const Tensor& gamma = ctx->input(1);
-    const Tensor& beta = ctx->input(2);
-    int64_t rows, cols;
-    if (!Check(ctx, "layer_norm", x, gamma, beta, stat_dtype_, &rows, &cols)) return;
+    const Ref xr(x), gamma(ctx->input(1), has_gamma_), beta(ctx->input(2), has_beta_);
+    LayerNormForward a{*xr, {}, *gamma, *beta, epsilon_, rms_scaling_};
+    NormRows rc;
+    if (!call_csrc(ctx, [&] {
+          a.normalized_shape = trailing_dims("layer_norm", a.input, norm_ndims_);
+          rc = layer_norm_forward_check(a);
+        }))
+      return;
+    OP_REQUIRES(ctx, to_dtype(stat_dtype_) == norm_stat_dtype(a.input.dtype),
+                absl::InvalidArgumentError(
+                    std::string("fusedlayers.layer_norm: U (the mean/rstd dtype) must be ") +
+                    dtype_name(norm_stat_dtype(a.input.dtype)) + " for x of " +
+                    dtype_name(a.input.dtype)));
     TensorShape stat_shape;
     for (int d = 0; d < x.dims() - norm_ndims_; ++d) stat_shape.AddDim(x.dim_size(d));
     Tensor *y, *mean, *rstd;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, stat_shape, &mean));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, stat_shape, &rstd));
-    const void* g = has_gamma_ ? ptr(gamma) : nullptr;
-    const void* b = has_beta_ ? ptr(beta) : nullptr;
-    const DType dtype = to_dtype(x.dtype()), param_dtype = to_dtype(gamma.dtype());
-    call_csrc(ctx, [&] {
-      if constexpr (kGpu)
-        layer_norm_forward_cuda(ptr(x), g, b, mutable_ptr(y), mutable_ptr(mean),
-                                mutable_ptr(rstd), rows, cols, epsilon_, subtract_mean_, dtype,
-                                param_dtype, gpu_stream(ctx));
-      else
-        layer_norm_forward_cpu(ptr(x), g, b, mutable_ptr(y), mutable_ptr(mean), mutable_ptr(rstd),
-                               rows, cols, epsilon_, subtract_mean_, dtype, param_dtype,
-                               tf_parallel_for(ctx));
-    });
+    a.out = mutable_ptr(y);
+    a.mean = mutable_ptr(mean);
+    a.rstd = mutable_ptr(rstd);
+    call_csrc(ctx, [&] { layer_norm_forward(a, rc, exec_for<kGpu>(ctx)); });
   }
 
  private:
+  int norm_ndims_;
+  bool has_gamma_, has_beta_, rms_scaling_;
   float epsilon_;
   ::tensorflow::DataType stat_dtype_;
 };
 
 template <bool kGpu>
-class LayerNormGradOp : public LayerNormBase {
+class LayerNormGradOp : public OpKernel {
  public:
-  using LayerNormBase::LayerNormBase;
+  explicit LayerNormGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("norm_ndims", &norm_ndims_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("has_gamma", &has_gamma_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("has_beta", &has_beta_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rms_scaling", &rms_scaling_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& dy = ctx->input(0);
     const Tensor& x = ctx->input(1);
-    const Tensor& mean = ctx->input(2);
-    const Tensor& rstd = ctx->input(3);
     const Tensor& gamma = ctx->input(4);
     const Tensor& beta = ctx->input(5);
-    int64_t rows, cols;
-    if (!Check(ctx, "layer_norm_grad", x, gamma, beta, rstd.dtype(), &rows, &cols)) return;
-    OP_REQUIRES(ctx, dy.shape() == x.shape() && mean.NumElements() == rows &&
-                         rstd.NumElements() == rows,
-                absl::InvalidArgumentError(
-                    "fusedlayers.layer_norm_grad: dy must have x's shape " +
-                    shape_str(x.shape()) + " and mean/rstd " + std::to_string(rows) +
-                    " elements, got " + shape_str(dy.shape()) + ", " +
-                    shape_str(mean.shape()) + ", " + shape_str(rstd.shape())));
-    Tensor *dx, *dgamma, *dbeta;
+    const Ref dy(ctx->input(0)), xr(x), mean(ctx->input(2)), rstd(ctx->input(3));
+    const Ref g(gamma, has_gamma_), b(beta, has_beta_);
+    LayerNormBackward a{*dy, *xr, *mean, *rstd, {}, *g, *b, false, rms_scaling_};
+    const Exec exec = exec_for<kGpu>(ctx);
+    NormRows rc;
+    size_t bytes = 0;
+    if (!call_csrc(ctx, [&] {
+          a.normalized_shape = trailing_dims("layer_norm_backward", a.saved, norm_ndims_);
+          rc = layer_norm_backward_check(a);
+          bytes = layer_norm_backward_workspace_size(a, rc, exec);
+        }))
+      return;
+    Tensor *dx, *dgamma, *dbeta, workspace;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, gamma.shape(), &dgamma));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, beta.shape(), &dbeta));
-    const DType dtype = to_dtype(x.dtype()), param_dtype = to_dtype(gamma.dtype());
-    call_csrc(ctx, [&] {
-      Tensor workspace;
-      if (has_gamma_ || has_beta_) {
-        size_t bytes;
-        if constexpr (kGpu)
-          bytes = layer_norm_backward_workspace_size_cuda(rows, cols, dtype);
-        else
-          bytes = layer_norm_backward_workspace_size_cpu(rows, cols, dtype);
-        OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
-                                               TensorShape({static_cast<int64_t>(bytes)}),
-                                               &workspace));
-      }
-      const void* g = has_gamma_ ? ptr(gamma) : nullptr;
-      const void* b = has_beta_ ? ptr(beta) : nullptr;
-      void* dg = has_gamma_ ? mutable_ptr(dgamma) : nullptr;
-      void* db = has_beta_ ? mutable_ptr(dbeta) : nullptr;
-      void* ws = workspace.NumElements() ? mutable_ptr(&workspace) : nullptr;
-      if constexpr (kGpu)
-        layer_norm_backward_cuda(ptr(dy), ptr(x), ptr(mean), ptr(rstd), g, b, mutable_ptr(dx), dg,
-                                 db, ws, rows, cols, /*saved_is_output=*/false, subtract_mean_,
-                                 dtype, param_dtype, gpu_stream(ctx));
-      else
-        layer_norm_backward_cpu(ptr(dy), ptr(x), ptr(mean), ptr(rstd), g, b, mutable_ptr(dx), dg,
-                                db, ws, rows, cols, /*saved_is_output=*/false, subtract_mean_,
-                                dtype, param_dtype, tf_parallel_for(ctx));
-    });
+    if (bytes)
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
+                                             TensorShape({static_cast<int64_t>(bytes)}),
+                                             &workspace));
+    a.grad_input = mutable_ptr(dx);
+    a.grad_weight = mutable_ptr(dgamma);
+    a.grad_bias = mutable_ptr(dbeta);
+    a.workspace = bytes ? mutable_ptr(&workspace) : nullptr;
+    call_csrc(ctx, [&] { layer_norm_backward(a, rc, exec); });
   }
+
+ private:
+  int norm_ndims_;
+  bool has_gamma_, has_beta_, rms_scaling_;
 };
 
 FUSEDLAYERS_REGISTER_KERNELS("FusedlayersLayerNorm", LayerNormOp, "T");

@@ -18,6 +18,9 @@
 namespace fusedlayers {
 namespace torch_binding {
 
+using OptTensor = std::optional<at::Tensor>;
+using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
 inline std::string describe(at::ScalarType t) { return c10::toString(t); }
 
 // The typed dispatcher handle of fusedlayers::<name>; callers keep it in a function static, so
@@ -63,14 +66,36 @@ inline ParallelFor aten_parallel_for() {
   return [](int64_t n, int64_t grain, const RangeFn& fn) { at::parallel_for(0, n, grain, fn); };
 }
 
-// Runs a csrc call, re-raising its argument errors as ValueError.
+// Runs a csrc call, re-raising its argument errors as ValueError, or TypeError for dtypes.
 template <typename Fn>
-void call_csrc(Fn&& fn) {
+auto call_csrc(Fn&& fn) {
   try {
-    fn();
+    return fn();
   } catch (const Error& e) {
+    TORCH_CHECK_TYPE(e.kind != Error::Kind::kType, e.what());
     TORCH_CHECK_VALUE(false, e.what());
   }
+}
+
+inline Sizes sizes(at::IntArrayRef s) { return {s.data(), static_cast<int64_t>(s.size())}; }
+
+// A csrc view of a contiguous tensor of a dtype csrc takes (see check_floating).
+inline TensorRef ref(const at::Tensor& t) {
+  return {t.data_ptr(), to_dtype(t.scalar_type()), sizes(t.sizes()), true};
+}
+inline TensorRef ref(const std::optional<at::Tensor>& t) { return t ? ref(*t) : TensorRef{}; }
+
+inline std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
+  return t ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
+// Where csrc runs a pass on `t`'s device: ATen's thread pool, or the current CUDA stream (of the
+// device a caller's CUDAGuard has made current).
+inline Exec exec_for(const at::Tensor& t) {
+#ifdef FUSEDLAYERS_WITH_CUDA
+  if (t.is_cuda()) return Exec::gpu(at::cuda::getCurrentCUDAStream().stream());
+#endif
+  return Exec::cpu(aten_parallel_for());
 }
 
 // Workspace from the framework's (caching) allocator on like's device.

@@ -1,5 +1,8 @@
-// PyTorch CPU and CUDA implementation of fusedlayers::layer_norm{,_backward}: checks, allocation,
-// csrc call.
+// fusedlayers::layer_norm{,_backward} for PyTorch: schema, CPU/CUDA kernel (tensor conversion
+// around csrc/layer_norm.h, which checks every argument), autograd and autocast.
+#include <ATen/autocast_mode.h>
+
+#include "backends/torch/autograd.h"
 #include "backends/torch/binding.h"
 #include "csrc/layer_norm.h"
 
@@ -7,167 +10,190 @@ namespace fusedlayers {
 namespace torch_binding {
 namespace {
 
-struct RowsCols {
-  int64_t rows;
-  int64_t cols;
-};
+using ForwardSig = Tensor3(const at::Tensor&, c10::SymIntArrayRef, const OptTensor&,
+                           const OptTensor&, double, bool, bool);
+using BackwardSig = Tensor3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, c10::SymIntArrayRef, const OptTensor&,
+                            const OptTensor&, bool, bool);
 
-// Checks input against normalized_shape and weight/bias against both; returns the 2-D view.
-RowsCols check_layer_norm_args(const char* op, const at::Tensor& input,
-                               at::IntArrayRef normalized_shape,
-                               const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias) {
-  check_floating(op, "input", input);
-  const int64_t k = static_cast<int64_t>(normalized_shape.size());
-  TORCH_CHECK_VALUE(k > 0, "fusedlayers.", op, ": normalized_shape must not be empty");
-  int64_t cols = 1;
-  for (int64_t d : normalized_shape) {
-    TORCH_CHECK_VALUE(d > 0, "fusedlayers.", op,
-                      ": normalized_shape must have positive sizes, got ", normalized_shape);
-    cols *= d;
+// The types and devices csrc cannot see; every other rule is csrc's.
+void check_tensors(const char* op, const char* x_name, const at::Tensor& x, const OptTensor& w,
+                   const OptTensor& b) {
+  check_floating(op, x_name, x);
+  for (const auto& [arg, t] : {std::pair{"weight", &w}, std::pair{"bias", &b}}) {
+    if (!*t) continue;
+    check_floating(op, arg, **t);
+    check_same_device(op, arg, **t, x_name, x);
   }
-  TORCH_CHECK_VALUE(input.dim() >= k && input.sizes().slice(input.dim() - k) == normalized_shape,
-                    "fusedlayers.", op, ": the last ", k,
-                    " dimension(s) of input must equal normalized_shape ", normalized_shape,
-                    ", got input of shape ", input.sizes());
-  const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
-  for (const auto& [arg, p] : {std::pair{"weight", &weight}, std::pair{"bias", &bias}}) {
-    if (!p->has_value()) continue;
-    const at::Tensor& t = **p;
-    check_same_device(op, arg, t, "input", input);
-    TORCH_CHECK_VALUE(t.sizes() == normalized_shape, "fusedlayers.", op, ": ", arg,
-                      " must have shape normalized_shape ", normalized_shape, ", got ",
-                      t.sizes());
-    TORCH_CHECK_TYPE(t.scalar_type() == input.scalar_type() ||
-                         (half && t.scalar_type() == at::kFloat),
-                     "fusedlayers.", op, ": ", arg, " must have input's dtype ",
-                     input.scalar_type(), half ? " or float32" : "", ", got ", t.scalar_type());
-  }
-  TORCH_CHECK_TYPE(!weight || !bias || weight->scalar_type() == bias->scalar_type(),
-                   "fusedlayers.", op, ": weight and bias must share a dtype, got ",
-                   weight ? weight->scalar_type() : at::kFloat, " and ",
-                   bias ? bias->scalar_type() : at::kFloat);
-  return {cols == 0 ? 0 : input.numel() / cols, cols};
 }
 
-DType param_dtype(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                  const std::optional<at::Tensor>& bias) {
-  if (weight) return to_dtype(weight->scalar_type());
-  if (bias) return to_dtype(bias->scalar_type());
-  return to_dtype(input.scalar_type());
-}
-
-const void* ptr_or_null(const std::optional<at::Tensor>& t) {
-  return t ? t->data_ptr() : nullptr;
-}
-
-std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
-  return t ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_op(
-    const at::Tensor& input, at::IntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    bool /*memory_efficient: read by autograd only*/, bool subtract_mean) {
-  const auto [rows, cols] =
-      check_layer_norm_args("layer_norm", input, normalized_shape, weight, bias);
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
-                    "fusedlayers.layer_norm: eps must be finite and >= 0, got ", eps);
-  TORCH_CHECK_VALUE(subtract_mean || !bias,
-                    "fusedlayers.layer_norm: bias must be None when subtract_mean is False");
+Tensor3 layer_norm_kernel(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                          const OptTensor& weight, const OptTensor& bias, double eps,
+                          bool /*memory_efficient: read by autograd only*/, bool rms_scaling) {
+  check_tensors("layer_norm", "input", input, weight, bias);
   const at::Tensor x = input.contiguous();
-  const auto w = contiguous(weight), b = contiguous(bias);
+  const OptTensor w = contiguous(weight), b = contiguous(bias);
+  LayerNormForward a{ref(x), sizes(normalized_shape), ref(w), ref(b), eps, rms_scaling};
+  const NormRows rc = call_csrc([&] { return layer_norm_forward_check(a); });
   at::Tensor y = at::empty(x.sizes(), x.options());
-  const auto stat_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto stat_shape = x.sizes().slice(0, x.dim() - normalized_shape.size());
-  at::Tensor mean = at::empty(stat_shape, x.options().dtype(stat_dtype));
-  at::Tensor rstd = at::empty(stat_shape, x.options().dtype(stat_dtype));
+  const auto stat_options =
+      x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  at::Tensor mean = at::empty(stat_shape, stat_options), rstd = at::empty(stat_shape, stat_options);
+  a.out = y.data_ptr();
+  a.mean = mean.data_ptr();
+  a.rstd = rstd.data_ptr();
 #ifdef FUSEDLAYERS_WITH_CUDA
-  if (x.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    call_csrc([&] {
-      layer_norm_forward_cuda(x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
-                              mean.data_ptr(), rstd.data_ptr(), rows, cols, eps, subtract_mean,
-                              to_dtype(x.scalar_type()), param_dtype(x, w, b), current_stream());
-    });
-    return {y, mean, rstd};
-  }
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (x.is_cuda()) guard.emplace(x.device());
 #endif
-  call_csrc([&] {
-    layer_norm_forward_cpu(x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
-                           mean.data_ptr(), rstd.data_ptr(), rows, cols, eps, subtract_mean,
-                           to_dtype(x.scalar_type()), param_dtype(x, w, b), aten_parallel_for());
-  });
+  call_csrc([&] { layer_norm_forward(a, rc, exec_for(x)); });
   return {y, mean, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_op(
-    const at::Tensor& grad_out, const at::Tensor& saved, const at::Tensor& mean,
-    const at::Tensor& rstd, at::IntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    bool memory_efficient, bool subtract_mean) {
-  const auto [rows, cols] =
-      check_layer_norm_args("layer_norm_backward", saved, normalized_shape, weight, bias);
-  TORCH_CHECK_VALUE(grad_out.sizes() == saved.sizes() &&
-                        grad_out.scalar_type() == saved.scalar_type(),
-                    "fusedlayers.layer_norm_backward: grad_out must match saved (",
-                    saved.sizes(), ", ", saved.scalar_type(), "), got ", grad_out.sizes(), ", ",
-                    grad_out.scalar_type());
-  const auto stat_dtype = saved.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.scalar_type() == stat_dtype &&
-                        (memory_efficient || (mean.numel() == rows &&
-                                              mean.scalar_type() == stat_dtype)),
-                    "fusedlayers.layer_norm_backward: mean/rstd must hold ", rows, " ",
-                    stat_dtype, " values, got ", mean.numel(), " ", mean.scalar_type(), " and ",
-                    rstd.numel(), " ", rstd.scalar_type());
-  check_same_device("layer_norm_backward", "grad_out", grad_out, "saved", saved);
-  check_same_device("layer_norm_backward", "rstd", rstd, "saved", saved);
+Tensor3 layer_norm_backward_kernel(const at::Tensor& grad_out, const at::Tensor& saved,
+                                   const at::Tensor& mean, const at::Tensor& rstd,
+                                   at::IntArrayRef normalized_shape, const OptTensor& weight,
+                                   const OptTensor& bias, bool memory_efficient,
+                                   bool rms_scaling) {
+  const char* op = "layer_norm_backward";
+  check_tensors(op, "saved", saved, weight, bias);
+  check_floating(op, "grad_out", grad_out);
+  check_same_device(op, "grad_out", grad_out, "saved", saved);
+  check_same_device(op, "rstd", rstd, "saved", saved);
+  if (!memory_efficient) check_same_device(op, "mean", mean, "saved", saved);
   const at::Tensor dy = grad_out.contiguous(), s = saved.contiguous();
   const at::Tensor mu = mean.contiguous(), rs = rstd.contiguous();
-  const auto w = contiguous(weight), b = contiguous(bias);
+  const OptTensor w = contiguous(weight), b = contiguous(bias);
+  check_floating(op, "mean", mu);
+  check_floating(op, "rstd", rs);
+  LayerNormBackward a{ref(dy), ref(s), ref(mu), ref(rs), sizes(normalized_shape),
+                      ref(w), ref(b), memory_efficient, rms_scaling};
+  const NormRows rc = call_csrc([&] { return layer_norm_backward_check(a); });
   at::Tensor dx = at::empty(s.sizes(), s.options());
   at::Tensor dw = w ? at::empty(w->sizes(), w->options()) : at::empty({0}, s.options());
   at::Tensor db = b ? at::empty(b->sizes(), b->options()) : at::empty({0}, s.options());
-  const DType dtype = to_dtype(s.scalar_type());
-  at::Tensor ws;
 #ifdef FUSEDLAYERS_WITH_CUDA
-  if (s.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(s.device());
-    call_csrc([&] {
-      if (w || b) ws = workspace(layer_norm_backward_workspace_size_cuda(rows, cols, dtype), s);
-      layer_norm_backward_cuda(
-          dy.data_ptr(), s.data_ptr(), memory_efficient ? nullptr : mu.data_ptr(), rs.data_ptr(),
-          ptr_or_null(w), ptr_or_null(b), dx.data_ptr(), w ? dw.data_ptr() : nullptr,
-          b ? db.data_ptr() : nullptr, ws.defined() ? ws.data_ptr() : nullptr, rows, cols,
-          memory_efficient, subtract_mean, dtype, param_dtype(s, w, b), current_stream());
-    });
-    return {dx, dw, db};
-  }
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (s.is_cuda()) guard.emplace(s.device());
 #endif
-  call_csrc([&] {
-    if (w || b) ws = workspace(layer_norm_backward_workspace_size_cpu(rows, cols, dtype), s);
-    layer_norm_backward_cpu(dy.data_ptr(), s.data_ptr(), memory_efficient ? nullptr : mu.data_ptr(),
-                            rs.data_ptr(), ptr_or_null(w), ptr_or_null(b), dx.data_ptr(),
-                            w ? dw.data_ptr() : nullptr, b ? db.data_ptr() : nullptr,
-                            ws.defined() ? ws.data_ptr() : nullptr, rows, cols, memory_efficient,
-                            subtract_mean, dtype, param_dtype(s, w, b), aten_parallel_for());
-  });
+  const Exec exec = exec_for(s);
+  const size_t bytes = call_csrc([&] { return layer_norm_backward_workspace_size(a, rc, exec); });
+  const at::Tensor ws = bytes ? workspace(bytes, s) : at::Tensor();
+  a.grad_input = dx.data_ptr();
+  a.grad_weight = w ? dw.data_ptr() : nullptr;
+  a.grad_bias = b ? db.data_ptr() : nullptr;
+  a.workspace = ws.defined() ? ws.data_ptr() : nullptr;
+  call_csrc([&] { layer_norm_backward(a, rc, exec); });
   return {dx, dw, db};
+}
+
+// Autograd saves the input (or, memory_efficient, the output), mean, rstd and parameters.
+struct LayerNormBackwardNode final : Node {
+  SavedVariable saved, mean, rstd, weight, bias;
+  int64_t norm_ndims = 0;
+  bool memory_efficient = false, rms_scaling = false, has_weight = false, has_bias = false;
+
+  variable_list apply(variable_list&& grads) override {
+    static const auto bwd = op<BackwardSig>("layer_norm_backward");
+    std::lock_guard<std::mutex> lock(mutex_);
+    variable_list out(3);
+    if (!grads[0].defined()) return out;  // only mean/rstd were used: nothing flows back
+    const at::Tensor x = saved.unpack(getptr()), m = mean.unpack(), r = rstd.unpack();
+    const OptTensor w = unpack_if(weight, has_weight), b = unpack_if(bias, has_bias);
+    BackwardGuard guard;
+    auto [dx, dw, db] = bwd.call(grads[0], x, m, r, x.sym_sizes().slice(x.dim() - norm_ndims), w,
+                                 b, memory_efficient, rms_scaling);
+    out[0] = std::move(dx);
+    if (has_weight) out[1] = std::move(dw);
+    if (has_bias) out[2] = std::move(db);
+    return out;
+  }
+  void release_variables() override {
+    for (SavedVariable* v : {&saved, &mean, &rstd, &weight, &bias}) v->reset_data();
+  }
+  std::string name() const override { return "fusedlayers::LayerNormBackward"; }
+};
+
+Tensor3 layer_norm_autograd(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                            const OptTensor& weight, const OptTensor& bias, double eps,
+                            bool memory_efficient, bool rms_scaling) {
+  static const auto fwd = op<ForwardSig>("layer_norm");
+  const bool grad = needs_grad({&input, ptr_if(weight), ptr_if(bias)});
+  Tensor3 out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out = fwd.call(input, normalized_shape, weight, bias, eps, memory_efficient, rms_scaling);
+  }
+  if (!grad) return out;
+  const auto& [y, mean, rstd] = out;
+  auto node = make_node<LayerNormBackwardNode>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+  torch::autograd::set_history(y, node);  // mean and rstd are not differentiable
+  node->saved = memory_efficient ? SavedVariable(y, true) : SavedVariable(input, false);
+  node->mean = SavedVariable(mean, false);
+  node->rstd = SavedVariable(rstd, false);
+  node->has_weight = weight.has_value();
+  node->has_bias = bias.has_value();
+  if (weight) node->weight = SavedVariable(*weight, false);
+  if (bias) node->bias = SavedVariable(*bias, false);
+  node->norm_ndims = static_cast<int64_t>(normalized_shape.size());
+  node->memory_efficient = memory_efficient;
+  node->rms_scaling = rms_scaling;
+  return out;
+}
+
+// Autocast as ATen's for layer_norm: float32 on CUDA; on the CPU ATen registers none.
+Tensor3 layer_norm_autocast_cuda(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                 const OptTensor& weight, const OptTensor& bias, double eps,
+                                 bool memory_efficient, bool rms_scaling) {
+  static const auto fwd = op<ForwardSig>("layer_norm");
+  constexpr auto kCUDA = c10::DeviceType::CUDA;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
+  return fwd.call(at::autocast::cached_cast(at::kFloat, input, kCUDA), normalized_shape,
+                  at::autocast::cached_cast(at::kFloat, weight, kCUDA),
+                  at::autocast::cached_cast(at::kFloat, bias, kCUDA), eps, memory_efficient,
+                  rms_scaling);
 }
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
+  // mean/rstd have the leading (unnormalized) shape of input; memory_efficient only tells
+  // autograd to save the output instead of the input; rms_scaling is Keras'
+  // LayerNormalization(rms_scaling=True) (see csrc/norm.h).
+  m.def(
+      "layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
+      "float eps, bool memory_efficient=False, bool rms_scaling=False) "
+      "-> (Tensor out, Tensor mean, Tensor rstd)");
+  // saved is the input, or the output when memory_efficient; grad_weight/grad_bias are empty
+  // when weight/bias are None.
+  m.def(
+      "layer_norm_backward(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, "
+      "SymInt[] normalized_shape, Tensor? weight, Tensor? bias, bool memory_efficient=False, "
+      "bool rms_scaling=False) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+}
+
 TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
-  m.impl("layer_norm", &layer_norm_op);
-  m.impl("layer_norm_backward", &layer_norm_backward_op);
+  m.impl("layer_norm", &layer_norm_kernel);
+  m.impl("layer_norm_backward", &layer_norm_backward_kernel);
 }
 
 #ifdef FUSEDLAYERS_WITH_CUDA
 TORCH_LIBRARY_IMPL(fusedlayers, CUDA, m) {
-  m.impl("layer_norm", &layer_norm_op);
-  m.impl("layer_norm_backward", &layer_norm_backward_op);
+  m.impl("layer_norm", &layer_norm_kernel);
+  m.impl("layer_norm_backward", &layer_norm_backward_kernel);
 }
 #endif
+
+TORCH_LIBRARY_IMPL(fusedlayers, Autograd, m) {
+  m.impl("layer_norm", &layer_norm_autograd);
+  register_backward_autograd(m, "layer_norm_backward");
+}
+
+TORCH_LIBRARY_IMPL(fusedlayers, AutocastCUDA, m) {
+  m.impl("layer_norm", &layer_norm_autocast_cuda);
+}
 
 }  // namespace torch_binding
 }  // namespace fusedlayers

@@ -3,6 +3,10 @@
 // GEMM's output (at::addmm would first fill the output with the broadcast bias, one more pass);
 // the backward's GELU gradient and dbias are one csrc pass, dgrad and wgrad are at::mm.
 // CUDA: csrc runs everything on cuBLASLt with ATen's handle and workspace (csrc/linear_gelu.h).
+// Also the schema, autograd and autocast (the autocast dtype on CPU and CUDA, as for linear).
+#include <ATen/autocast_mode.h>
+
+#include "backends/torch/autograd.h"
 #include "backends/torch/binding.h"
 #include "csrc/bias_gelu.h"
 #include "csrc/linear_gelu.h"
@@ -189,7 +193,98 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
   return {grad_input, grad_weight, dbias};
 }
 
+// linear_gelu saves its (contiguous) input, the weight and the pre-activation that
+// linear_gelu_with_pre writes for the GELU gradient.
+struct LinearGeluBackward final : Node {
+  SavedVariable input, weight, pre;
+  bool has_bias = false;
+  std::string approximate;
+
+  variable_list apply(variable_list&& grads) override {
+    static const auto bwd =
+        op<Tensor3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   bool, c10::string_view)>("linear_gelu_backward");
+    std::lock_guard<std::mutex> lock(mutex_);
+    variable_list out(3);
+    if (!grads[0].defined()) return out;
+    const at::Tensor x = input.unpack(), w = weight.unpack(), p = pre.unpack();
+    BackwardGuard guard;
+    auto [dx, dw, db] = bwd.call(grads[0], x, w, p, has_bias, approximate);
+    out[0] = std::move(dx);
+    out[1] = std::move(dw);
+    if (has_bias) out[2] = std::move(db);
+    return out;
+  }
+  void release_variables() override {
+    for (SavedVariable* v : {&input, &weight, &pre}) v->reset_data();
+  }
+  std::string name() const override { return "fusedlayers::LinearGeluBackward"; }
+};
+
+// Without a backward to feed, the plain forward: no pre-activation is written, no Node made.
+at::Tensor linear_gelu_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                const OptTensor& bias, c10::string_view approximate) {
+  if (!needs_grad({&input, &weight, bias ? &*bias : nullptr})) {
+    static const auto fwd =
+        op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view)>(
+            "linear_gelu");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fwd.call(input, weight, bias, approximate);
+  }
+  static const auto fwd =
+      op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                            const OptTensor&, c10::string_view)>(
+          "linear_gelu_with_pre");
+  auto node = make_node<LinearGeluBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+  at::Tensor x, y, pre;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    // The GEMMs need a contiguous input: made once here and saved, not again for wgrad.
+    x = input.contiguous();
+    std::tie(y, pre) = fwd.call(x, weight, bias, approximate);
+  }
+  torch::autograd::set_history(y, node);
+  node->input = SavedVariable(x, false);
+  node->weight = SavedVariable(weight, false);
+  node->pre = SavedVariable(pre, false);
+  node->has_bias = bias.has_value();
+  node->approximate = std::string(approximate);
+  return y;
+}
+
+// Autocast as ATen's for linear: cached_cast casts only float32/float16/bfloat16 tensors of the
+// autocast device (float64 stays float64) and reuses the cast of a leaf weight in a region.
+template <c10::DeviceType Device>
+at::Tensor linear_gelu_autocast(const at::Tensor& input, const at::Tensor& weight,
+                                const OptTensor& bias, c10::string_view approximate) {
+  static const auto fwd =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view)>(
+          "linear_gelu");
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(Device));
+  const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(Device);
+  return fwd.call(at::autocast::cached_cast(dtype, input, Device),
+                  at::autocast::cached_cast(dtype, weight, Device),
+                  at::autocast::cached_cast(dtype, bias, Device), approximate);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
+  // weight is (out_features, in_features), stored so or as the transpose of a contiguous
+  // (in_features, out_features) tensor (both read in place). linear_gelu_with_pre also returns
+  // the pre-activation input @ weight^T + bias, kept for the backward; grad_weight has weight's
+  // layout.
+  m.def("linear_gelu(Tensor input, Tensor weight, Tensor? bias, str approximate) -> Tensor");
+  m.def(
+      "linear_gelu_with_pre(Tensor input, Tensor weight, Tensor? bias, str approximate) "
+      "-> (Tensor out, Tensor pre)");
+  m.def(
+      "linear_gelu_backward(Tensor grad_out, Tensor input, Tensor weight, Tensor pre, "
+      "bool has_bias, str approximate) -> (Tensor grad_input, Tensor grad_weight, "
+      "Tensor grad_bias)");
+}
 
 TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
   m.impl("linear_gelu", &linear_gelu_op);
@@ -204,6 +299,19 @@ TORCH_LIBRARY_IMPL(fusedlayers, CUDA, m) {
   m.impl("linear_gelu_backward", &linear_gelu_backward_op);
 }
 #endif
+
+TORCH_LIBRARY_IMPL(fusedlayers, Autograd, m) {
+  m.impl("linear_gelu", &linear_gelu_autograd);
+  register_backward_autograd(m, "linear_gelu_backward");
+}
+
+TORCH_LIBRARY_IMPL(fusedlayers, AutocastCPU, m) {
+  m.impl("linear_gelu", &linear_gelu_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(fusedlayers, AutocastCUDA, m) {
+  m.impl("linear_gelu", &linear_gelu_autocast<c10::DeviceType::CUDA>);
+}
 
 }  // namespace torch_binding
 }  // namespace fusedlayers

@@ -1,5 +1,7 @@
-// PyTorch CPU and CUDA implementation of fusedlayers::relu_scale{,_with_mask,_backward}: checks,
-// allocation, csrc call.
+// fusedlayers::relu_scale{,_with_mask,_backward} for PyTorch: schema, CPU/CUDA kernels (checks,
+// allocation, csrc call) and autograd. No autocast kernel: the autocast keys fall through, so
+// relu_scale runs in its input's dtype, as relu does.
+#include "backends/torch/autograd.h"
 #include "backends/torch/binding.h"
 #include "csrc/relu_scale.h"
 
@@ -77,7 +79,54 @@ at::Tensor relu_scale_backward_op(const at::Tensor& grad_out, const at::Tensor& 
   return dx;
 }
 
+// relu_scale saves the packed sign mask, not x: 1 bit per element (csrc/relu_scale.h).
+struct ReluScaleBackward final : Node {
+  SavedVariable mask;
+  double alpha = 0;
+
+  variable_list apply(variable_list&& grads) override {
+    static const auto bwd =
+        op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("relu_scale_backward");
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!grads[0].defined()) return {at::Tensor()};
+    const at::Tensor m = mask.unpack();
+    BackwardGuard guard;
+    return {bwd.call(grads[0], m, alpha)};
+  }
+  void release_variables() override { mask.reset_data(); }
+  std::string name() const override { return "fusedlayers::ReluScaleBackward"; }
+};
+
+// Without a backward to feed, the plain forward: no mask is written and no Node is made.
+at::Tensor relu_scale_autograd(const at::Tensor& x, double alpha) {
+  if (!needs_grad({&x})) {
+    static const auto fwd = op<at::Tensor(const at::Tensor&, double)>("relu_scale");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fwd.call(x, alpha);
+  }
+  static const auto fwd = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double)>(
+      "relu_scale_with_mask");
+  auto node = make_node<ReluScaleBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  at::Tensor y, mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    std::tie(y, mask) = fwd.call(x, alpha);
+  }
+  torch::autograd::set_history(y, node);
+  node->mask = SavedVariable(mask, false);
+  node->alpha = alpha;
+  return y;
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
+  m.def("relu_scale(Tensor x, float alpha) -> Tensor");
+  // mask: int32 words of packed bits, where x is not <= 0 (layout in csrc/relu_scale.h).
+  m.def("relu_scale_with_mask(Tensor x, float alpha) -> (Tensor out, Tensor mask)");
+  m.def("relu_scale_backward(Tensor grad_out, Tensor mask, float alpha) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
   m.impl("relu_scale", &relu_scale_op);
@@ -92,6 +141,11 @@ TORCH_LIBRARY_IMPL(fusedlayers, CUDA, m) {
   m.impl("relu_scale_backward", &relu_scale_backward_op);
 }
 #endif
+
+TORCH_LIBRARY_IMPL(fusedlayers, Autograd, m) {
+  m.impl("relu_scale", &relu_scale_autograd);
+  register_backward_autograd(m, "relu_scale_backward");
+}
 
 }  // namespace torch_binding
 }  // namespace fusedlayers

@@ -166,7 +166,7 @@ class LayerNorm(_FusedLayer):
         gamma = ops.reshape(gamma, norm_shape) if gamma is not None else None
         beta = ops.reshape(beta, norm_shape) if beta is not None else None
         y = _fused(x, "layer_norm").layer_norm_trailing(
-            x, k, gamma, beta, self.epsilon, subtract_mean=not self.rms_scaling)
+            x, k, gamma, beta, self.epsilon, rms_scaling=self.rms_scaling)
         if not trailing:
             y = ops.transpose(y, [perm.index(d) for d in range(ndim)])
         return ops.cast(y, self.compute_dtype)

@@ -54,7 +54,7 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
         if cuda_home is None:
             raise OpLibraryNotBuiltError("fusedlayers: CUDA requested but no toolkit found; "
                                          "set CUDA_HOME")
-        cflags.append("-DGOOGLE_CUDA=1")
+        cflags += ["-DGOOGLE_CUDA=1", _sources.CUDA_DEFINE]
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
         nvcc = [f"{cuda_home}/bin/nvcc", *_sources.NVCC_FLAGS, f"-I{_sources.ROOT}",
                 *_sources.gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]

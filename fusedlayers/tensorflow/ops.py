@@ -120,8 +120,8 @@ def layer_norm(x, normalized_shape: int | Sequence[int], weight=None, bias=None,
 
 
 def layer_norm_trailing(x, norm_ndims: int, gamma=None, beta=None, eps: float = 1e-5,
-                        subtract_mean: bool = True) -> tf.Tensor:
-    """Normalizes the trailing norm_ndims dims; subtract_mean=False is Keras' rms_scaling."""
+                        rms_scaling: bool = False) -> tf.Tensor:
+    """Normalizes the trailing norm_ndims dims; rms_scaling as Keras' LayerNormalization's."""
     tensors = {"x": x, **({"gamma": gamma} if gamma is not None else {}),
                **({"beta": beta} if beta is not None else {})}
     x, *params = _prepare("layer_norm", **tensors)
@@ -143,7 +143,7 @@ def layer_norm_trailing(x, norm_ndims: int, gamma=None, beta=None, eps: float = 
     beta = params[-1] if beta is not None else absent
     y, _, _ = _lib.fusedlayers_layer_norm(
         x, gamma, beta, norm_ndims=norm_ndims, epsilon=float(eps),
-        has_gamma=gamma is not absent, has_beta=beta is not absent, subtract_mean=subtract_mean,
+        has_gamma=gamma is not absent, has_beta=beta is not absent, rms_scaling=rms_scaling,
         U=tf.float64 if x.dtype == tf.float64 else tf.float32)
     return y
 
@@ -156,7 +156,7 @@ def _register_gradients() -> None:
         x, gamma, beta = op.inputs
         _, mean, rstd = op.outputs
         attrs = {k: op.get_attr(k) for k in ("norm_ndims", "has_gamma", "has_beta",
-                                             "subtract_mean")}
+                                             "rms_scaling")}
         dx, dgamma, dbeta = _lib.fusedlayers_layer_norm_grad(dy, x, mean, rstd, gamma, beta,
                                                              **attrs)
         return (dx, dgamma if attrs["has_gamma"] else None,

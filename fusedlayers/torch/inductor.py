@@ -50,14 +50,14 @@ def _relu_scale_backward(grad_out, mask, alpha):
 
 
 def _layer_norm(x, normalized_shape, weight, bias, eps, memory_efficient=False,
-                subtract_mean=True):
-    # The math of csrc/layer_norm.h: statistics and output in float32 (float64 for float64),
-    # returned in the leading shape; subtract_mean=False scales x itself (Keras' rms_scaling).
+                rms_scaling=False):
+    # The math of csrc/norm.h: statistics and output in float32 (float64 for float64),
+    # returned in the leading shape; rms_scaling=True scales x itself (Keras' rms_scaling).
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
     xf = x.to(_stat_dtype(x))
     var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
     rstd = torch.rsqrt(var + eps)
-    out = ((xf - mean) if subtract_mean else xf) * rstd
+    out = (xf if rms_scaling else xf - mean) * rstd
     if weight is not None:
         out = out * weight
     if bias is not None:
@@ -67,9 +67,9 @@ def _layer_norm(x, normalized_shape, weight, bias, eps, memory_efficient=False,
 
 
 def _layer_norm_backward(grad_out, saved, mean, rstd, normalized_shape, weight, bias,
-                         memory_efficient=False, subtract_mean=True):
+                         memory_efficient=False, rms_scaling=False):
     # With g = dy * gamma: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), or for
-    # subtract_mean=False dx = rstd * (g - x_hat * rstd * mean(g * x)) (csrc/layer_norm.h).
+    # rms_scaling=True dx = rstd * (g - x_hat * rstd * mean(g * x)) (csrc/norm.h).
     dims = list(range(saved.dim() - len(normalized_shape), saved.dim()))
     lead_dims = list(range(dims[0]))
     keep = (*mean.shape, *([1] * len(dims)))
@@ -81,7 +81,7 @@ def _layer_norm_backward(grad_out, saved, mean, rstd, normalized_shape, weight, 
         x_hat = x_hat if weight is None else x_hat / weight
     else:
         x_hat = (s - mean.reshape(keep)) * rstd
-    if subtract_mean:
+    if not rms_scaling:
         grad_input = rstd * (g - g.mean(dims, keepdim=True)
                              - x_hat * (g * x_hat).mean(dims, keepdim=True))
         y_hat = x_hat  # what gamma multiplies

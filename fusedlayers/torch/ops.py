@@ -94,11 +94,11 @@ def dense_gelu(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None 
 
 def layer_norm_trailing(x: torch.Tensor, norm_ndims: int, gamma: torch.Tensor | None = None,
                         beta: torch.Tensor | None = None, eps: float = 1e-5,
-                        subtract_mean: bool = True) -> torch.Tensor:
-    """Normalizes the trailing norm_ndims dims; subtract_mean=False is Keras' rms_scaling."""
+                        rms_scaling: bool = False) -> torch.Tensor:
+    """Normalizes the trailing norm_ndims dims; rms_scaling as Keras' LayerNormalization's."""
     shape = list(x.shape[x.dim() - norm_ndims:])
     eps = _args.real("fusedlayers.layer_norm", "eps", eps)
-    return layer_norm_op(x, shape, gamma, beta, eps, False, subtract_mean)[0]
+    return layer_norm_op(x, shape, gamma, beta, eps, False, rms_scaling)[0]
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
@@ -124,7 +124,7 @@ def _register() -> None:
         return grad_out.new_empty(grad_out.shape)
 
     @fake(lib + "layer_norm")
-    def _(x, normalized_shape, weight, bias, eps, memory_efficient=False, subtract_mean=True):
+    def _(x, normalized_shape, weight, bias, eps, memory_efficient=False, rms_scaling=False):
         _check_devices("layer_norm", "input", x, weight=weight, bias=bias)
         stat_shape = x.shape[:x.dim() - len(normalized_shape)]
         return (x.new_empty(x.shape), x.new_empty(stat_shape, dtype=_stat_dtype(x)),
@@ -132,7 +132,7 @@ def _register() -> None:
 
     @fake(lib + "layer_norm_backward")
     def _(grad_out, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=False,
-          subtract_mean=True):
+          rms_scaling=False):
         _check_devices("layer_norm_backward", "saved", saved, grad_out=grad_out, weight=weight,
                        bias=bias)
         return (saved.new_empty(saved.shape),

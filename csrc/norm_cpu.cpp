@@ -1,7 +1,7 @@
-// CPU layer norm: rows split over tasks for the forward and dx; dgamma/dbeta summed per fixed
+// CPU row normalization (math and dtypes: norm.h): rows split over tasks for the forward and dx; dgamma/dbeta summed per fixed
 // chunk of rows into the workspace, then over chunks in chunk order, so results are thread-count
 // invariant. Rows run in target clones (cpu_types.h).
-#include "layer_norm.h"
+#include "norm.h"
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +30,15 @@ void check_param_dtype(const char* op, DType dtype, DType param_dtype) {
          (half ? " or float32" : "") + ", got " + dtype_name(param_dtype));
 }
 
+// gamma = weight + offset in the accumulation type, 1 where weight is absent.
+template <typename P, typename A>
+std::vector<A> gamma_or_one(const void* weight, int64_t cols, float offset) {
+  std::vector<A> g = cpu::param_or<P, A>(weight, cols, A(1));
+  if (weight && offset != 0)
+    for (A& v : g) v += A(offset);
+  return g;
+}
+
 // Calls fn(T{}, P{}) for the input storage type T and the parameter storage type P.
 template <typename Fn>
 void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
@@ -42,25 +51,27 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
   });
 }
 
-// Rows [begin, end): y = (x - shift) * rstd * gamma + beta, with shift the mean (0 for
-// scale-only), and each row's mean and rstd. g and b are gamma/beta in A (1 and 0 where absent);
-// buf holds cols values for staging a 16-bit row.
+// Rows [begin, end): y = (x - shift) * rstd * gamma + beta, with shift the mean (0 but for
+// kLayer), and each row's rstd and (where mean is not null) mean. g and b are gamma/beta in A
+// (1 and 0 where absent); buf holds cols values for staging a 16-bit row.
 template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void forward_rows(const T* x, const A* g, const A* b, T* y, A* mean,
                                          A* rstd, A* buf, int64_t begin, int64_t end,
-                                         int64_t cols, A eps, bool subtract_mean) {
+                                         int64_t cols, A eps, NormMode mode) {
   for (int64_t r = begin; r < end; ++r) {
     const A* v = cpu::staged(x + r * cols, buf, cols);
     T* yr = y + r * cols;
-    const A mu = cpu::lane_sum<A>(cols, [&](int64_t j) { return v[j]; }) / A(cols);
+    const A mu = mode == NormMode::kRms
+                     ? A(0)
+                     : cpu::lane_sum<A>(cols, [&](int64_t j) { return v[j]; }) / A(cols);
     const A var = cpu::lane_sum<A>(cols, [&](int64_t j) {
                     const A dev = v[j] - mu;
                     return dev * dev;
                   }) / A(cols);
     const A rs = A(1) / std::sqrt(var + eps);
-    const A shift = subtract_mean ? mu : A(0);
+    const A shift = mode == NormMode::kLayer ? mu : A(0);
     for (int64_t j = 0; j < cols; ++j) yr[j] = cpu::from_acc<T>((v[j] - shift) * rs * g[j] + b[j]);
-    mean[r] = mu;
+    if (mean) mean[r] = mu;
     rstd[r] = rs;
   }
 }
@@ -77,7 +88,8 @@ struct BackwardArgs {
   const A* b;
   T* dx;
   int64_t cols;
-  bool saved_is_output, subtract_mean;
+  bool saved_is_output;
+  NormMode mode;
 };
 
 // Rows [begin, end): dx, and dy * xhat and dy added into pg and pb (when not null) in row order.
@@ -86,7 +98,7 @@ template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A* pb, A* buf,
                                           int64_t begin, int64_t end) {
   const int64_t cols = a.cols;
-  const bool subtract_mean = a.subtract_mean;
+  const bool centred = a.mode == NormMode::kLayer;
   const A* g = a.g;
   const A* b = a.b;
   A* d = buf;           // dy
@@ -94,7 +106,7 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
   A* gd = xh + cols;    // dy * gamma, then dx
   for (int64_t r = begin; r < end; ++r) {
     const A rs = a.rstd[r];
-    if (subtract_mean && !a.saved_is_output) {
+    if (centred && !a.saved_is_output) {
       // The common case in two passes over the row, xhat and dy * gamma recomputed in each:
       // the same values, sums and order as the general path below, so the same bits.
       const T* xr = a.saved + r * cols;
@@ -118,36 +130,36 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
     }
     cpu::load(a.dy + r * cols, d, cols);
     cpu::load(a.saved + r * cols, xh, cols);
-    const A mu = a.saved_is_output ? A(0) : a.mean[r];
+    const A mu = a.saved_is_output || a.mode == NormMode::kRms ? A(0) : a.mean[r];
     for (int64_t j = 0; j < cols; ++j) gd[j] = d[j] * g[j];
-    // Scale-only: dx needs rstd * mean(g * x); summed on raw x (xh still holds it), since
+    // No mean subtracted: dx needs rstd * mean(g * x); summed on raw x (xh still holds it), since
     // mean(g * xhat) + mean * rstd * mean(g) cancels for rows far from zero.
     const A mgx_raw =
-        subtract_mean
+        centred
             ? A(0)
             : cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j] * xh[j]; }) / A(cols);
-    if (pg && !subtract_mean) {  // dgamma = sum dy * x * rstd, before xh is xhat
+    if (pg && !centred) {  // dgamma = sum dy * x * rstd, before xh is xhat
       for (int64_t j = 0; j < cols; ++j) pg[j] += d[j] * xh[j] * rs;
     }
     if (a.saved_is_output) {
       for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - b[j]) / g[j];
     } else {
-      // Scale-only dx multiplies xhat by the large rstd * mean(g * x): re-centre x - mean by
-      // its own residual, so the rounding of the stored mean does not enter it.
-      const A c =
-          subtract_mean ? A(0)
-                        : cpu::lane_sum<A>(cols, [&](int64_t j) { return xh[j] - mu; }) / A(cols);
+      // kKerasRmsScaling's dx multiplies x - mean by the large rstd * mean(g * x): re-centre
+      // it by its own residual, so the rounding of the stored mean does not enter it.
+      const A c = a.mode != NormMode::kKerasRmsScaling
+                      ? A(0)
+                      : cpu::lane_sum<A>(cols, [&](int64_t j) { return xh[j] - mu; }) / A(cols);
       for (int64_t j = 0; j < cols; ++j) xh[j] = (xh[j] - mu - c) * rs;
     }
     const A mg = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j]; }) / A(cols);
     const A mgx = cpu::lane_sum<A>(cols, [&](int64_t j) { return gd[j] * xh[j]; }) / A(cols);
-    if (pg && subtract_mean) {
+    if (pg && centred) {
       for (int64_t j = 0; j < cols; ++j) pg[j] += d[j] * xh[j];
       for (int64_t j = 0; j < cols; ++j) pb[j] += d[j];
     }
-    // Standard: dx = rstd (g - mean(g) - xhat mean(g xhat)); scale-only: see layer_norm.h.
-    const A k_mean = subtract_mean ? mg : A(0);
-    const A k_xhat = subtract_mean ? mgx : rs * mgx_raw;
+    // kLayer: dx = rstd (g - mean(g) - xhat mean(g xhat)); the others: see norm.h.
+    const A k_mean = centred ? mg : A(0);
+    const A k_xhat = centred ? mgx : rs * mgx_raw;
     for (int64_t j = 0; j < cols; ++j) gd[j] = rs * (gd[j] - k_mean - xh[j] * k_xhat);
     cpu::store(gd, a.dx + r * cols, cols);
   }
@@ -155,68 +167,58 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
 
 }  // namespace
 
-void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, void* y,
-                            void* mean, void* rstd, int64_t rows, int64_t cols, double eps,
-                            bool subtract_mean, DType dtype, DType param_dtype,
-                            const ParallelFor& parallel_for) {
-  check_sizes("layer_norm", rows, cols);
-  check_param_dtype("layer_norm", dtype, param_dtype);
-  if (!std::isfinite(eps) || eps < 0) fail("layer_norm: eps must be finite and >= 0");
-  if (rows == 0) return;
-  dispatch2(dtype, param_dtype, [&](auto t, auto p) {
+void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for) {
+  check_sizes("norm", a.rows, a.cols);
+  check_param_dtype("norm", a.dtype, a.param_dtype);
+  if (a.rows == 0) return;
+  const int64_t cols = a.cols;
+  dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
     using A = typename cpu::Acc<T>::type;
-    const std::vector<A> g = cpu::param_or<P, A>(gamma, cols, A(1));
-    const std::vector<A> b = cpu::param_or<P, A>(subtract_mean ? beta : nullptr, cols, A(0));
+    const std::vector<A> g = gamma_or_one<P, A>(a.gamma, cols, a.gamma_offset);
+    const std::vector<A> b =
+        cpu::param_or<P, A>(a.mode == NormMode::kLayer ? a.beta : nullptr, cols, A(0));
     const int64_t grain = std::max<int64_t>(1, 16384 / cols);
-    parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(a.rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<A> buf(static_cast<size_t>(cols));
-      const T* xp = static_cast<const T*>(x);
-      const A *gp = g.data(), *bp = b.data();
-      T* yp = static_cast<T*>(y);
-      A* mp = static_cast<A*>(mean);
-      A* rp = static_cast<A*>(rstd);
-      const A e = static_cast<A>(eps);
-      forward_rows(xp, gp, bp, yp, mp, rp, buf.data(), begin, end, cols, e, subtract_mean);
+      forward_rows(static_cast<const T*>(a.x), g.data(), b.data(), static_cast<T*>(a.y),
+                   static_cast<A*>(a.mean), static_cast<A*>(a.rstd), buf.data(), begin, end, cols,
+                   static_cast<A>(a.eps), a.mode);
     });
   });
 }
 
-size_t layer_norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
-  check_sizes("layer_norm_backward", rows, cols);
+size_t norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
+  check_sizes("norm_backward", rows, cols);
   const size_t acc_bytes = dtype == DType::kFloat64 ? 8 : 4;
   return static_cast<size_t>(cpu::num_chunks(rows, cols)) * 2 * static_cast<size_t>(cols) * acc_bytes;
 }
 
-void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean,
-                             const void* rstd, const void* gamma, const void* beta, void* dx,
-                             void* dgamma, void* dbeta, void* workspace, int64_t rows,
-                             int64_t cols, bool saved_is_output, bool subtract_mean, DType dtype,
-                             DType param_dtype, const ParallelFor& parallel_for) {
-  check_sizes("layer_norm_backward", rows, cols);
-  check_param_dtype("layer_norm_backward", dtype, param_dtype);
-  if ((dgamma && !gamma) || (dbeta && !beta))
-    fail("layer_norm_backward: dgamma/dbeta requested without gamma/beta");
-  if (saved_is_output && !subtract_mean)
-    fail("layer_norm_backward: saved_is_output needs subtract_mean");
-  if (dbeta && !subtract_mean) fail("layer_norm_backward: no beta without subtract_mean");
-  const bool want_params = dgamma || dbeta;
-  if (want_params && !workspace) fail("layer_norm_backward: workspace is null");
-  dispatch2(dtype, param_dtype, [&](auto t, auto p) {
+void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_for) {
+  const int64_t rows = a.rows, cols = a.cols;
+  check_sizes("norm_backward", rows, cols);
+  check_param_dtype("norm_backward", a.dtype, a.param_dtype);
+  if ((a.dgamma && !a.gamma) || (a.dbeta && !a.beta))
+    fail("norm_backward: dgamma/dbeta requested without gamma/beta");
+  if ((a.saved_is_output || a.dbeta) && a.mode != NormMode::kLayer)
+    fail("norm_backward: saved_is_output and beta need NormMode::kLayer");
+  const bool want_params = a.dgamma || a.dbeta;
+  if (want_params && !a.workspace) fail("norm_backward: workspace is null");
+  dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
     using A = typename cpu::Acc<T>::type;
-    const std::vector<A> g = cpu::param_or<P, A>(gamma, cols, A(1));
-    const std::vector<A> b = cpu::param_or<P, A>(beta, cols, A(0));
-    A* partial = static_cast<A*>(workspace);  // [chunk][dgamma | dbeta][cols]
+    const std::vector<A> g = gamma_or_one<P, A>(a.gamma, cols, a.gamma_offset);
+    const std::vector<A> b = cpu::param_or<P, A>(a.beta, cols, A(0));
+    A* partial = static_cast<A*>(a.workspace);  // [chunk][dgamma | dbeta][cols]
     const int64_t chunks = cpu::num_chunks(rows, cols);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
 
-    const BackwardArgs<T, A> args{static_cast<const T*>(dy), static_cast<const T*>(saved),
-                                  static_cast<const A*>(mean), static_cast<const A*>(rstd),
-                                  g.data(), b.data(), static_cast<T*>(dx), cols,
-                                  saved_is_output, subtract_mean};
+    const BackwardArgs<T, A> args{static_cast<const T*>(a.dy), static_cast<const T*>(a.saved),
+                                  static_cast<const A*>(a.mean), static_cast<const A*>(a.rstd),
+                                  g.data(), b.data(), static_cast<T*>(a.dx), cols,
+                                  a.saved_is_output, a.mode};
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
       std::vector<A> buf(static_cast<size_t>(3 * cols));
       for (int64_t c = cbegin; c < cend; ++c) {
@@ -229,8 +231,8 @@ void layer_norm_backward_cpu(const void* dy, const void* saved, const void* mean
     });
 
     if (!want_params) return;
-    P* dgp = static_cast<P*>(dgamma);
-    P* dbp = static_cast<P*>(dbeta);
+    P* dgp = static_cast<P*>(a.dgamma);
+    P* dbp = static_cast<P*>(a.dbeta);
     parallel_for(cols, 1024, [&](int64_t begin, int64_t end) {
       if (dgp)
         cpu::sum_chunks(partial, chunks, 2 * cols, begin, end,

@@ -1,4 +1,4 @@
-// CUDA layer norm (math and dtypes: layer_norm.h).
+// CUDA row normalization (math and dtypes: norm.h).
 //
 // Forward and backward hold a row in registers: a thread owns kIters vectors of N elements
 // (N * sizeof(T) = 16 bytes when the rows are 16-byte aligned, else N = 1), at columns
@@ -22,7 +22,7 @@
 #include <tuple>
 
 #include "cuda_common.cuh"
-#include "layer_norm.h"
+#include "norm.h"
 
 namespace fusedlayers {
 namespace {
@@ -90,6 +90,20 @@ __device__ __forceinline__ void load_param(const P* p, int c, A absent, A (&out)
 #pragma unroll
     for (int k = 0; k < N; ++k) out[k] = absent;
   }
+}
+
+// gamma = weight + offset at columns c ... c + N - 1, 1 where weight is null.
+template <int N, typename P>
+__device__ __forceinline__ void load_gamma(const P* w, int c, A offset, A (&out)[N]) {
+  load_param(w, c, A(1), out);
+  if (w)
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] += offset;
+}
+
+template <typename P>
+__device__ __forceinline__ A gamma_at(const P* w, int64_t i, A offset) {
+  return w ? A(to_acc(w[i])) + offset : A(1);
 }
 
 // Barrier over the threads of one row slot: named barrier 1 + slot (0 is __syncthreads').
@@ -188,19 +202,22 @@ __global__ void __launch_bounds__(S::kBlock)
     forward_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
                    const P* __restrict__ beta, T* __restrict__ y, A* __restrict__ mean,
                    A* __restrict__ rstd, int64_t rows, int cols, A inv_cols, A eps,
-                   bool subtract_mean) {
+                   A goff, NormMode mode) {
   __shared__ A smem[S::kRowsPerBlock * S::kWarps];
   const int slot = threadIdx.x / S::kThreads, lane = threadIdx.x % S::kThreads;
   for (int64_t r = int64_t(blockIdx.x) * S::kRowsPerBlock + slot; r < rows;
        r += int64_t(gridDim.x) * S::kRowsPerBlock) {
     A v[S::kIters][N];
     load_row<T, N, S>(x + r * cols, cols, lane, v);
-    A sum = 0;
+    A mu = 0;
+    if (mode != NormMode::kRms) {  // uniform over the row slot, as row_sum's barriers need
+      A sum = 0;
 #pragma unroll
-    for (int it = 0; it < S::kIters; ++it)
+      for (int it = 0; it < S::kIters; ++it)
 #pragma unroll
-      for (int k = 0; k < N; ++k) sum += v[it][k];
-    const A mu = row_sum<S>(sum, smem, slot, lane) * inv_cols;
+        for (int k = 0; k < N; ++k) sum += v[it][k];
+      mu = row_sum<S>(sum, smem, slot, lane) * inv_cols;
+    }
     A sq = 0;
 #pragma unroll
     for (int it = 0; it < S::kIters; ++it) {
@@ -209,16 +226,16 @@ __global__ void __launch_bounds__(S::kBlock)
       for (int k = 0; k < N; ++k) sq += (v[it][k] - mu) * (v[it][k] - mu);
     }
     const A rs = rsqrtf(row_sum<S>(sq, smem, slot, lane) * inv_cols + eps);
-    const A shift = subtract_mean ? mu : A(0);
+    const A shift = mode == NormMode::kLayer ? mu : A(0);
     store_row<T, N, S>(y + r * cols, cols, lane, [&](int it, int c, A(&out)[N]) {
       A g[N], b[N];
-      load_param(gamma, c, A(1), g);
+      load_gamma(gamma, c, goff, g);
       load_param(beta, c, A(0), b);
 #pragma unroll
       for (int k = 0; k < N; ++k) out[k] = (v[it][k] - shift) * rs * g[k] + b[k];
     });
     if (lane == 0) {
-      mean[r] = mu;
+      if (mean) mean[r] = mu;
       rstd[r] = rs;
     }
   }
@@ -246,8 +263,9 @@ __global__ void __launch_bounds__(S::kBlock)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
                     const A* __restrict__ mean, const A* __restrict__ rstd,
                     const P* __restrict__ gamma, const P* __restrict__ beta, T* __restrict__ dx,
-                    A* __restrict__ partial, int64_t rows, int cols, A inv_cols,
-                    bool saved_is_output, bool subtract_mean) {
+                    A* __restrict__ partial, int64_t rows, int cols, A inv_cols, A goff,
+                    bool saved_is_output, NormMode mode) {
+  const bool centred = mode == NormMode::kLayer;
   __shared__ A smem[S::kRowsPerBlock * S::kWarps * 3];
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
   using Acc = Partials<N, S>;
@@ -267,7 +285,7 @@ __global__ void __launch_bounds__(S::kBlock)
     load_raw<T, N, S>(saved + r * cols, cols, lane, xs);
     load_raw<T, N, S>(dy + r * cols, cols, lane, dys);
     const A rs = rstd[r];
-    const A mu = saved_is_output ? A(0) : mean[r];
+    const A mu = saved_is_output || mode == NormMode::kRms ? A(0) : mean[r];
     // xhat of element k of vector `it` (gm, bt: its gamma/beta). The memory-efficient form
     // divides by gamma with __fdividef (2 ulp): xhat from a rounded y is no closer than that, and
     // an IEEE division's slow-path call would keep registers live across the whole row.
@@ -275,16 +293,17 @@ __global__ void __launch_bounds__(S::kBlock)
       const A x_raw = to_acc(xs[it].v[k]);
       return saved_is_output ? __fdividef(x_raw - bt[k], gm[k]) : (x_raw - mu) * rs;
     };
-    // Scale-only (subtract_mean = false): dx needs rstd * mean(g * x), summed on raw x, since
-    // mean(g * xhat) + mean * rstd * mean(g) cancels for rows far from zero; and x - mean is
-    // re-centred by its own residual (sum_c), so the rounding of the stored mean does not enter.
+    // No mean subtracted (kRms, kKerasRmsScaling): dx needs rstd * mean(g * x), summed on raw x,
+    // since mean(g * xhat) + mean * rstd * mean(g) cancels for rows far from zero; and
+    // kKerasRmsScaling's x - mean is re-centred by its own residual (sum_c), so the rounding of
+    // the stored mean does not enter.
     A sum_g = 0, sum_gx = 0, sum_c = 0;
 #pragma unroll
     for (int it = 0; it < S::kIters; ++it) {
       const int c = column<N, S>(it, lane);
       if (c >= cols) continue;
       A gm[N], bt[N];
-      load_param(gamma, c, A(1), gm);
+      load_gamma(gamma, c, goff, gm);
       load_param(saved_is_output ? beta : nullptr, c, A(0), bt);
 #pragma unroll
       for (int q = 0; q < Acc::kChunks; ++q) {  // a chunk of dgamma/dbeta accumulators at a time
@@ -298,7 +317,7 @@ __global__ void __launch_bounds__(S::kBlock)
           const int k = q * Acc::kChunk + j;
           const A d = to_acc(dys[it].v[k]), x_raw = to_acc(xs[it].v[k]), g = d * gm[k];
           sum_g += g;
-          if (subtract_mean) {
+          if (centred) {
             const A xh = xhat(it, k, gm, bt);
             ag.v[j] += d * xh;
             ab.v[j] += d;
@@ -318,12 +337,12 @@ __global__ void __launch_bounds__(S::kBlock)
     A sums[3] = {sum_g, sum_gx, sum_c};
     row_sums<S>(sums, smem, slot, lane);
     const A mg = sums[0] * inv_cols, mgx = sums[1] * inv_cols;
-    const A shift = subtract_mean ? A(0) : sums[2] * inv_cols * rs;
-    const A k_mean = subtract_mean ? mg : A(0);
-    const A k_xhat = subtract_mean ? mgx : rs * mgx;
+    const A shift = mode == NormMode::kKerasRmsScaling ? sums[2] * inv_cols * rs : A(0);
+    const A k_mean = centred ? mg : A(0);
+    const A k_xhat = centred ? mgx : rs * mgx;
     store_row<T, N, S>(dx + r * cols, cols, lane, [&](int it, int c, A(&out)[N]) {
       A gm[N], bt[N];
-      load_param(gamma, c, A(1), gm);
+      load_gamma(gamma, c, goff, gm);
       load_param(saved_is_output ? beta : nullptr, c, A(0), bt);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
@@ -359,25 +378,28 @@ __global__ void __launch_bounds__(kStreamThreads)
     forward_stream_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
                           const P* __restrict__ beta, T* __restrict__ y, A* __restrict__ mean,
                           A* __restrict__ rstd, int64_t rows, int64_t cols, A inv_cols, A eps,
-                          bool subtract_mean) {
+                          A goff, NormMode mode) {
   __shared__ A smem[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
-    A sum = 0;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sum += to_acc(xr[c]);
-    const A mu = cuda::block_sum(sum, smem) * inv_cols;
+    A mu = 0;
+    if (mode != NormMode::kRms) {
+      A sum = 0;
+      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sum += to_acc(xr[c]);
+      mu = cuda::block_sum(sum, smem) * inv_cols;
+    }
     A sq = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
       const A d = to_acc(xr[c]) - mu;
       sq += d * d;
     }
     const A rs = rsqrtf(cuda::block_sum(sq, smem) * inv_cols + eps);
-    const A shift = subtract_mean ? mu : A(0);
+    const A shift = mode == NormMode::kLayer ? mu : A(0);
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-      y[r * cols + c] = from_acc<T>((to_acc(xr[c]) - shift) * rs * param(gamma, c, A(1)) +
+      y[r * cols + c] = from_acc<T>((to_acc(xr[c]) - shift) * rs * gamma_at(gamma, c, goff) +
                                     param(beta, c, A(0)));
     if (threadIdx.x == 0) {
-      mean[r] = mu;
+      if (mean) mean[r] = mu;
       rstd[r] = rs;
     }
   }
@@ -390,8 +412,10 @@ __global__ void __launch_bounds__(kStreamThreads)
                            const A* __restrict__ mean, const A* __restrict__ rstd,
                            const P* __restrict__ gamma, const P* __restrict__ beta,
                            T* __restrict__ dx, A* __restrict__ partial, int64_t rows,
-                           int64_t cols, A inv_cols, bool saved_is_output, bool subtract_mean) {
+                           int64_t cols, A inv_cols, A goff, bool saved_is_output,
+                           NormMode mode) {
   __shared__ A smem[32];
+  const bool centred = mode == NormMode::kLayer;
   A* pg = partial ? partial + int64_t(blockIdx.x) * 2 * cols : nullptr;
   if (pg)
     for (int64_t c = threadIdx.x; c < 2 * cols; c += blockDim.x) pg[c] = 0;
@@ -399,33 +423,35 @@ __global__ void __launch_bounds__(kStreamThreads)
     const T* sr = saved + r * cols;
     const T* dyr = dy + r * cols;
     const A rs = rstd[r];
-    const A mu = saved_is_output ? A(0) : mean[r];
+    const A mu = saved_is_output || mode == NormMode::kRms ? A(0) : mean[r];
     auto xhat = [&](int64_t c) {
-      return saved_is_output ? (to_acc(sr[c]) - param(beta, c, A(0))) / param(gamma, c, A(1))
+      return saved_is_output ? (to_acc(sr[c]) - param(beta, c, A(0))) / gamma_at(gamma, c, goff)
                              : (to_acc(sr[c]) - mu) * rs;
     };
     A sum_g = 0, sum_gx = 0, sum_c = 0;  // scale-only sums as in backward_kernel
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const A d = to_acc(dyr[c]), x_raw = to_acc(sr[c]), g = d * param(gamma, c, A(1));
+      const A d = to_acc(dyr[c]), x_raw = to_acc(sr[c]), g = d * gamma_at(gamma, c, goff);
       sum_g += g;
-      if (subtract_mean) {
+      if (centred) {
         sum_gx += g * xhat(c);
       } else {
         sum_gx += g * x_raw;
         sum_c += x_raw - mu;
       }
       if (pg) {  // each column is owned by one thread: no race
-        pg[c] += subtract_mean ? d * xhat(c) : d * x_raw * rs;
+        pg[c] += centred ? d * xhat(c) : d * x_raw * rs;
         pg[cols + c] += d;
       }
     }
     const A mg = cuda::block_sum(sum_g, smem) * inv_cols;
     const A mgx = cuda::block_sum(sum_gx, smem) * inv_cols;
-    const A shift = subtract_mean ? A(0) : cuda::block_sum(sum_c, smem) * inv_cols * rs;
-    const A k_mean = subtract_mean ? mg : A(0);
-    const A k_xhat = subtract_mean ? mgx : rs * mgx;
+    const A shift = mode == NormMode::kKerasRmsScaling  // uniform: every thread joins the sum
+                        ? cuda::block_sum(sum_c, smem) * inv_cols * rs
+                        : A(0);
+    const A k_mean = centred ? mg : A(0);
+    const A k_xhat = centred ? mgx : rs * mgx;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const A g = to_acc(dyr[c]) * param(gamma, c, A(1));
+      const A g = to_acc(dyr[c]) * gamma_at(gamma, c, goff);
       dx[r * cols + c] = from_acc<T>(rs * (g - k_mean - (xhat(c) - shift) * k_xhat));
     }
   }
@@ -482,7 +508,7 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
   cuda::dispatch(dtype, [&](auto t) {
     using T = decltype(t);
     if constexpr (std::is_same_v<T, double>) {
-      fail("layer_norm: float64 is not supported on CUDA");
+      fail("norm: float64 is not supported on CUDA");
     } else if (param_dtype == dtype) {
       fn(t, t);
     } else {
@@ -500,21 +526,20 @@ int64_t backward_groups_max() { return int64_t(cuda::sm_count()) * kBackwardMaxB
 
 }  // namespace
 
-void layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
-                             void* mean, void* rstd, int64_t rows, int64_t cols, double eps,
-                             bool subtract_mean, DType dtype, DType param_dtype,
-                             cudaStream_t stream) {
-  check_args("layer_norm", rows, cols, dtype, param_dtype);
+void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
+  const int64_t rows = a.rows, cols = a.cols;
+  check_args("norm", rows, cols, a.dtype, a.param_dtype);
   if (rows == 0) return;
-  dispatch2(dtype, param_dtype, [&](auto t, auto p) {
+  dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
-    const T* xp = static_cast<const T*>(x);
-    T* yp = static_cast<T*>(y);
-    const P* gp = static_cast<const P*>(gamma);
-    const P* bp = static_cast<const P*>(beta);
-    A* mp = static_cast<A*>(mean);
-    A* rp = static_cast<A*>(rstd);
+    const T* xp = static_cast<const T*>(a.x);
+    T* yp = static_cast<T*>(a.y);
+    const P* gp = static_cast<const P*>(a.gamma);
+    const P* bp = a.mode == NormMode::kLayer ? static_cast<const P*>(a.beta) : nullptr;
+    A* mp = static_cast<A*>(a.mean);
+    A* rp = static_cast<A*>(a.rstd);
+    const A eps = A(a.eps), goff = A(a.gamma_offset);
     const A inv_cols = A(1.0 / double(cols));  // means as products: no division in the kernels
     const int64_t max_blocks = int64_t(cuda::sm_count()) * 32;  // streaming kernel
     auto launch = [&](auto n_tag) {
@@ -527,48 +552,49 @@ void layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta,
         const int64_t blocks = std::min<int64_t>((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
                                                  INT32_MAX);
         forward_kernel<T, P, N, S><<<blocks, S::kBlock, 0, stream>>>(
-            xp, gp, bp, yp, mp, rp, rows, int(cols), inv_cols, A(eps), subtract_mean);
+            xp, gp, bp, yp, mp, rp, rows, int(cols), inv_cols, eps, goff, a.mode);
         return true;
       });
     };
     constexpr int kVec = 16 / sizeof(T);
-    const bool vec = cols % kVec == 0 && cuda::aligned(x, 16) && cuda::aligned(y, 16) &&
-                     params_aligned(gamma, beta, kVec * sizeof(P));
+    const bool vec = cols % kVec == 0 && cuda::aligned(xp, 16) && cuda::aligned(yp, 16) &&
+                     params_aligned(gp, bp, kVec * sizeof(P));
     const bool done = vec ? launch(std::integral_constant<int, kVec>{})
                           : launch(std::integral_constant<int, 1>{});
     if (!done)
       forward_stream_kernel<T, P><<<std::min(rows, max_blocks), kStreamThreads, 0, stream>>>(
-          xp, gp, bp, yp, mp, rp, rows, cols, inv_cols, A(eps), subtract_mean);
-    cuda::check_launch("layer_norm forward");
+          xp, gp, bp, yp, mp, rp, rows, cols, inv_cols, eps, goff, a.mode);
+    cuda::check_launch("norm forward");
   });
 }
 
-size_t layer_norm_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
-  check_args("layer_norm_backward", rows, cols, dtype, dtype);
+size_t norm_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
+  check_args("norm_backward", rows, cols, dtype, dtype);
   return size_t(backward_groups_max()) * 2 * size_t(cols) * sizeof(A);
 }
 
-void layer_norm_backward_cuda(const void* dy, const void* saved, const void* mean,
-                              const void* rstd, const void* gamma, const void* beta, void* dx,
-                              void* dgamma, void* dbeta, void* workspace, int64_t rows,
-                              int64_t cols, bool saved_is_output, bool subtract_mean,
-                              DType dtype, DType param_dtype, cudaStream_t stream) {
-  check_args("layer_norm_backward", rows, cols, dtype, param_dtype);
-  if (saved_is_output && !subtract_mean)
-    fail("layer_norm_backward: saved_is_output needs subtract_mean");
-  const bool want_params = dgamma || dbeta;
-  if (want_params && !workspace) fail("layer_norm_backward: workspace is null");
-  dispatch2(dtype, param_dtype, [&](auto t, auto p) {
+void norm_backward_cuda(const NormBackwardArgs& a, cudaStream_t stream) {
+  const int64_t rows = a.rows, cols = a.cols;
+  check_args("norm_backward", rows, cols, a.dtype, a.param_dtype);
+  if ((a.dgamma && !a.gamma) || (a.dbeta && !a.beta))
+    fail("norm_backward: dgamma/dbeta requested without gamma/beta");
+  if ((a.saved_is_output || a.dbeta) && a.mode != NormMode::kLayer)
+    fail("norm_backward: saved_is_output and beta need NormMode::kLayer");
+  const bool want_params = a.dgamma || a.dbeta;
+  if (want_params && !a.workspace) fail("norm_backward: workspace is null");
+  const bool saved_is_output = a.saved_is_output;
+  dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
-    const T* dyp = static_cast<const T*>(dy);
-    const T* sp = static_cast<const T*>(saved);
-    const A* mp = static_cast<const A*>(mean);
-    const A* rp = static_cast<const A*>(rstd);
-    const P* gp = static_cast<const P*>(gamma);
-    const P* bp = static_cast<const P*>(beta);
-    T* dxp = static_cast<T*>(dx);
-    A* partial = want_params ? static_cast<A*>(workspace) : nullptr;
+    const T* dyp = static_cast<const T*>(a.dy);
+    const T* sp = static_cast<const T*>(a.saved);
+    const A* mp = static_cast<const A*>(a.mean);
+    const A* rp = static_cast<const A*>(a.rstd);
+    const P* gp = static_cast<const P*>(a.gamma);
+    const P* bp = static_cast<const P*>(a.beta);
+    T* dxp = static_cast<T*>(a.dx);
+    A* partial = want_params ? static_cast<A*>(a.workspace) : nullptr;
+    const A goff = A(a.gamma_offset);
     const A inv_cols = A(1.0 / double(cols));
     int64_t groups = 0;  // rows of partials: one per block
     auto launch = [&](auto n_tag) {
@@ -587,27 +613,27 @@ void layer_norm_backward_cuda(const void* dy, const void* saved, const void* mea
                         int64_t(cuda::sm_count()) * per_sm));
         groups = blocks;
         backward_kernel<T, P, N, S><<<blocks, S::kBlock, smem, stream>>>(
-            dyp, sp, mp, rp, gp, bp, dxp, partial, rows, int(cols), inv_cols, saved_is_output,
-            subtract_mean);
+            dyp, sp, mp, rp, gp, bp, dxp, partial, rows, int(cols), inv_cols, goff,
+            saved_is_output, a.mode);
         return true;
       });
     };
     constexpr int kVec = 16 / sizeof(T);
-    const bool vec = cols % kVec == 0 && cuda::aligned(dy, 16) && cuda::aligned(saved, 16) &&
-                     cuda::aligned(dx, 16) && params_aligned(gamma, beta, kVec * sizeof(P));
+    const bool vec = cols % kVec == 0 && cuda::aligned(dyp, 16) && cuda::aligned(sp, 16) &&
+                     cuda::aligned(dxp, 16) && params_aligned(gp, bp, kVec * sizeof(P));
     const bool done = vec ? launch(std::integral_constant<int, kVec>{})
                           : launch(std::integral_constant<int, 1>{});
     if (!done) {
       groups = std::max<int64_t>(1, std::min(rows, int64_t(cuda::sm_count()) * 2));
       backward_stream_kernel<T, P><<<groups, kStreamThreads, 0, stream>>>(
-          dyp, sp, mp, rp, gp, bp, dxp, partial, rows, cols, inv_cols, saved_is_output,
-          subtract_mean);
+          dyp, sp, mp, rp, gp, bp, dxp, partial, rows, cols, inv_cols, goff, saved_is_output,
+          a.mode);
     }
-    cuda::check_launch("layer_norm backward");
+    cuda::check_launch("norm backward");
     if (!want_params) return;
     reduce_partials_kernel<P><<<(cols + 31) / 32, dim3(32, 32), 0, stream>>>(
-        partial, groups, cols, static_cast<P*>(dgamma), static_cast<P*>(dbeta));
-    cuda::check_launch("layer_norm reduce_partials_kernel");
+        partial, groups, cols, static_cast<P*>(a.dgamma), static_cast<P*>(a.dbeta));
+    cuda::check_launch("norm reduce_partials_kernel");
   });
 }
 
