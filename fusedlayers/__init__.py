@@ -10,11 +10,14 @@ import sys
 from collections.abc import Sequence
 
 __version__ = "0.1.0"
-__all__ = ["layer_norm", "linear_gelu", "relu_scale"]
+# The public ops, each a function below and in every framework backend (fusedlayers.torch,
+# fusedlayers.tensorflow) under the same name.
+OPS = ("relu_scale", "linear_gelu", "layer_norm")
+__all__ = [*OPS]
 
 
 def _backend(x, op: str, **others):
-    """The module implementing `op` for x's framework. Raises TypeError for other types of x,
+    """The framework backend (fusedlayers.torch or fusedlayers.tensorflow) for x. Raises TypeError for other types of x,
     and when one of `others` (the op's other tensors, None where absent) is a tensor of another
     framework: a torch op takes torch tensors only; a TensorFlow op takes anything
     tf.convert_to_tensor does (NumPy arrays, lists), but not a torch tensor."""
@@ -26,15 +29,15 @@ def _backend(x, op: str, **others):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"fusedlayers.{op}: x is a torch.Tensor, so {name} must be one "
                                 f"too, got {_type_name(t)}")
-        from .torch import ops
-        return ops
+        from . import torch as backend
+        return backend
     if tf is not None and isinstance(x, (tf.Tensor, tf.Variable)):
         for name, t in others.items():
             if torch is not None and isinstance(t, torch.Tensor):
                 raise TypeError(f"fusedlayers.{op}: x is a TensorFlow tensor, so {name} must "
                                 f"not be a torch.Tensor")
-        from .tensorflow import ops
-        return ops
+        from . import tensorflow as backend
+        return backend
     raise TypeError(f"fusedlayers.{op}: x must be a torch.Tensor, tf.Tensor or tf.Variable, "
                     f"got {_type_name(x)}")
 

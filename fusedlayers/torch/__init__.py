@@ -4,7 +4,8 @@ operators (TORCH_LIBRARY, so torch.compile sees them without graph breaks)."""
 from ._library import ExtensionNotBuiltError
 from .fuse import FuseReport, fuse
 from .layers import FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm
-from .ops import layer_norm, linear_gelu, relu_scale
+from .ops import dense_gelu, layer_norm, layer_norm_trailing, linear_gelu, relu_scale
 
 __all__ = ["ExtensionNotBuiltError", "FuseReport", "FusedConv1DGELU", "FusedLinearGELU",
-           "FusedReLUScale", "LayerNorm", "fuse", "layer_norm", "linear_gelu", "relu_scale"]
+           "FusedReLUScale", "LayerNorm", "dense_gelu", "fuse", "layer_norm",
+           "layer_norm_trailing", "linear_gelu", "relu_scale"]
