@@ -12,7 +12,7 @@ from collections.abc import Sequence
 __version__ = "0.1.0"
 # The public ops, each a function below and in every framework backend (fusedlayers.torch,
 # fusedlayers.tensorflow) under the same name.
-OPS = ("relu_scale", "linear_gelu", "layer_norm")
+OPS = ("relu_scale", "linear_gelu", "layer_norm", "rms_norm")
 __all__ = [*OPS]
 
 
@@ -66,3 +66,11 @@ def layer_norm(x, normalized_shape: int | Sequence[int], weight=None, bias=None,
     fusedlayers.torch.ops.layer_norm for shapes, dtypes and errors."""
     ops = _backend(x, "layer_norm", weight=weight, bias=bias)
     return ops.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def rms_norm(x, normalized_shape: int | Sequence[int], weight=None, eps: float | None = None,
+             zero_centered: bool = False):
+    """RMS normalization over the trailing normalized_shape dims of x. See
+    fusedlayers.torch.rms_norm for shapes, dtypes and errors."""
+    backend = _backend(x, "rms_norm", weight=weight)
+    return backend.rms_norm(x, normalized_shape, weight, eps, zero_centered)

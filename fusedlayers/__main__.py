@@ -54,7 +54,7 @@ def bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedlayers bench")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--ops", default="relu_scale,layer_norm,linear_gelu",
+    parser.add_argument("--ops", default="relu_scale,layer_norm,rms_norm,linear_gelu",
                         help="comma-separated ops to bench")
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")

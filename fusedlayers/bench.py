@@ -1,7 +1,7 @@
 """`python -m fusedlayers bench`: fused vs unfused eager vs torch.compile(unfused), per op, shape,
 dtype and pass, with the device's own ceilings measured in the same run.
 
-Memory-bound ops (relu_scale, layer_norm) report GB/s over the fewest bytes the op must move
+Memory-bound ops (relu_scale, layer_norm, rms_norm) report GB/s over the fewest bytes the op must move
 (each input read once, each output written once; for the backward, what it must keep from the
 forward: layer_norm's input, relu_scale's sign bits) and the percentage of the measured copy
 bandwidth (bytes read + written by a large tensor copy); their forward also gets a "copy" row, a
@@ -20,9 +20,11 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import reference
 from .torch import ops
+from .torch.rms_norm import rms_norm
 
 
 @dataclass
@@ -108,7 +110,7 @@ def _fwd_bwd(fn, inputs):
     return run
 
 
-OPS = ("relu_scale", "layer_norm", "linear_gelu")
+OPS = ("relu_scale", "layer_norm", "rms_norm", "linear_gelu")
 
 
 def _cases(device: torch.device, quick: bool):
@@ -137,6 +139,12 @@ def _cases(device: torch.device, quick: bool):
             return (lambda: ops.layer_norm(x, cols, w, b), lambda: reference.layer_norm(x, cols, w, b),
                     [x, w, b], x.numel() * x.element_size(), {})
         yield "layer_norm", f"{rows}x{cols}", ln_case
+    for rows, cols in ln_shapes:
+        def rms_case(dtype, rows=rows, cols=cols):
+            x, w = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
+            return (lambda: rms_norm(x, cols, w, 1e-6), lambda: F.rms_norm(x, (cols,), w, 1e-6),
+                    [x, w], x.numel() * x.element_size(), {})
+        yield "rms_norm", f"{rows}x{cols}", rms_case
     for m, k, n in lin_shapes:
         def lin_case(dtype, m=m, k=k, n=n):
             x, w, b = rand(m, k, dtype=dtype), rand(n, k, dtype=dtype), rand(n, dtype=dtype)

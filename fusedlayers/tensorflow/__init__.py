@@ -3,6 +3,7 @@
 
 from ._library import OpLibraryNotBuiltError
 from .ops import dense_gelu, layer_norm, layer_norm_trailing, linear_gelu, relu_scale
+from .rms_norm import rms_norm
 
 __all__ = ["OpLibraryNotBuiltError", "dense_gelu", "layer_norm", "layer_norm_trailing",
-           "linear_gelu", "relu_scale"]
+           "linear_gelu", "relu_scale", "rms_norm"]

@@ -29,6 +29,7 @@ from torch.nn.utils import parametrize
 
 from ..fuse_report import FuseReport
 from .layers import FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm
+from .rms_norm import RMSNorm
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
 # function (a wrong layout, bias or GELU form is off by far more).
@@ -39,8 +40,10 @@ _PROBE_ROWS = 5
 
 
 def fuse(model: nn.Module, *, layer_norm: bool = True, linear_gelu: bool = True,
-         relu_scale: bool = True, verbose: bool = False) -> nn.Module:
-    """Swaps, in place, every nn.LayerNorm for `LayerNorm`, every linear layer whose output feeds
+         relu_scale: bool = True, rms_norm: bool = True, verbose: bool = False) -> nn.Module:
+    """Swaps, in place, every nn.LayerNorm for `LayerNorm`, every RMSNorm (nn.RMSNorm, or a
+    Llama- or Gemma-style module: one `weight`, an `eps` or `variance_epsilon`, no children) for
+    `RMSNorm`, every linear layer whose output feeds
     only a GELU for `FusedLinearGELU` / `FusedConv1DGELU` (+ nn.Identity), and every ReLU for
     `FusedReLUScale(1.0)`, sharing the existing Parameters. Works on train() and eval() models,
     on any device and dtype the fused ops support.
@@ -56,6 +59,8 @@ def fuse(model: nn.Module, *, layer_norm: bool = True, linear_gelu: bool = True,
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         if layer_norm:
             _fuse_layer_norms(model, report)
+        if rms_norm:
+            _fuse_rms_norms(model, report)
         if linear_gelu or relu_scale:
             _fuse_traced(model, report, linear_gelu, relu_scale)
     model.fusedlayers_report = report
@@ -203,6 +208,58 @@ def _verified_layer_norm(ln: nn.LayerNorm, path: str, report: FuseReport) -> Lay
             report.left.append((path, _describe(ln), f"probe mismatch (relative error {err:.1e})"))
             return None
     return fused
+
+
+def _rms_norm_like(m: nn.Module) -> bool:
+    if isinstance(m, nn.RMSNorm):
+        return True
+    if isinstance(m, (nn.LayerNorm, LayerNorm, RMSNorm)):
+        return False
+    params = dict(m.named_parameters(recurse=False))
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return (not list(m.children()) and list(params) == ["weight"] and params["weight"].dim() == 1
+            and isinstance(eps, float))
+
+
+def _fuse_rms_norms(model: nn.Module, report: FuseReport) -> None:
+    fused_of = {}  # id(module) -> its RMSNorm, so a shared module stays shared
+    for parent_path, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not _rms_norm_like(child):
+                continue
+            path = f"{parent_path}.{name}" if parent_path else name
+            if id(child) not in fused_of:
+                fused_of[id(child)] = _verified_rms_norm(child, path, report)
+            fused = fused_of[id(child)]
+            if fused is not None:
+                setattr(parent, name, fused)
+                report.swapped.append((path, _describe(child), "RMSNorm"))
+
+
+def _verified_rms_norm(m: nn.Module, path: str, report: FuseReport) -> RMSNorm | None:
+    """The RMSNorm (gain weight, or 1 + weight as Gemma's) whose output matches m's on a probe."""
+    if _has_state_hooks(m):
+        report.left.append((path, _describe(m), "has hooks or parametrizations"))
+        return None
+    like = m.weight if m.weight is not None else torch.empty(0)
+    err = float("nan")
+    for zero_centered in (False, True):
+        fused = RMSNorm.from_rms_norm(m, zero_centered=zero_centered)
+        fused.train(m.training)
+        if like.device.type == "meta" and isinstance(m, nn.RMSNorm):
+            return fused
+        if like.device.type == "meta":
+            break  # a look-alike cannot be told apart without running it
+        x = _probe((_PROBE_ROWS, *fused.normalized_shape), like)
+        try:
+            ok, err = _matches(fused(x), m(x))
+        except Exception as e:  # a dtype or device the fused op does not support
+            report.left.append((path, _describe(m), f"the fused op fails on it: {e}"))
+            return None
+        if ok:
+            return fused
+    report.left.append((path, _describe(m), f"probe mismatch (relative error {err:.1e})"))
+    return None
 
 
 # ---------------------------------------------------------------- Linear + GELU, ReLU

@@ -1,0 +1,104 @@
+"""RMSNorm on torch tensors: `fusedlayers::rms_norm` (backends/torch/rms_norm.cpp: schema,
+kernels, autograd, autocast), its fake kernels, the functional API and `RMSNorm`, drop-in for
+`torch.nn.RMSNorm`. The math: csrc/norm.h (NormMode::kRms)."""
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .. import _args
+from . import ops
+
+rms_norm_op = torch.ops.fusedlayers.rms_norm.default if ops._LOAD_ERROR is None else ops._missing
+
+
+def _eps(eps: float | None, x: torch.Tensor) -> float:
+    """torch's eps=None: the machine epsilon of x's dtype."""
+    return torch.finfo(x.dtype).eps if eps is None else _args.real("fusedlayers.rms_norm", "eps",
+                                                                      eps)
+
+
+def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
+             weight: torch.Tensor | None = None, eps: float | None = None,
+             zero_centered: bool = False) -> torch.Tensor:
+    """Root mean square normalization over the trailing `normalized_shape` dims of x, replacing
+    `torch.nn.functional.rms_norm` (Zhang & Sennrich 2019, arXiv:1910.07467):
+    y = x / sqrt(mean(x^2) + eps) * weight, or * (1 + weight) with zero_centered (Gemma's gain).
+
+    x: (..., *normalized_shape), float32/float64/float16/bfloat16, any layout. weight:
+    normalized_shape, x's dtype or float32 (for half x). eps: None means torch.finfo(x.dtype).eps,
+    as torch's. Statistics in float32 (float64 for float64). Returns x's shape and dtype. Raises
+    ValueError on shape/device/eps errors, TypeError on dtype errors or arguments of the wrong
+    type.
+    """
+    shape = _args.normalized_shape("fusedlayers.rms_norm", normalized_shape)
+    return rms_norm_op(x, shape, weight, _eps(eps, x), bool(zero_centered))[0]
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for `torch.nn.RMSNorm`: same arguments, defaults, parameter and state_dict key
+    (`weight`, ones, of normalized_shape). zero_centered=True (not in torch) applies the gain as
+    1 + weight and initialises weight to zeros, as Gemma's RMSNorm.
+
+    Input (..., *normalized_shape) -> output of the same shape and dtype.
+    """
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = None,
+                 elementwise_affine: bool = True, device=None, dtype=None, *,
+                 zero_centered: bool = False):
+        super().__init__()
+        self.normalized_shape = _args.normalized_shape("RMSNorm", normalized_shape)
+        self.eps = None if eps is None else _args.real("RMSNorm", "eps", eps)
+        self.elementwise_affine = elementwise_affine
+        self.zero_centered = bool(zero_centered)
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device,
+                                                   dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            (nn.init.zeros_ if self.zero_centered else nn.init.ones_)(self.weight)
+
+    @classmethod
+    def from_rms_norm(cls, module: nn.Module, zero_centered: bool = False) -> "RMSNorm":
+        """An RMSNorm sharing the Parameter of `module` (a torch.nn.RMSNorm, or a Llama-style
+        RMSNorm with `weight` and `variance_epsilon` or `eps`), not copying it."""
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        shape = getattr(module, "normalized_shape", None) or tuple(weight.shape)
+        fused = cls(shape, eps=eps, elementwise_affine=False, zero_centered=zero_centered)
+        fused.elementwise_affine = weight is not None
+        fused.weight = weight
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_op(x, self.normalized_shape, self.weight, _eps(self.eps, x),
+                           self.zero_centered)[0]
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}"
+                + (", zero_centered=True" if self.zero_centered else ""))
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("fusedlayers::rms_norm")
+    def _(x, normalized_shape, weight, eps, zero_centered=False):
+        ops._check_devices("rms_norm", "input", x, weight=weight)
+        return (x.new_empty(x.shape),
+                x.new_empty(x.shape[:x.dim() - len(normalized_shape)],
+                            dtype=ops._stat_dtype(x)))
+
+    @torch.library.register_fake("fusedlayers::rms_norm_backward")
+    def _(grad_out, x, rstd, normalized_shape, weight, zero_centered=False):
+        ops._check_devices("rms_norm_backward", "input", x, grad_out=grad_out, weight=weight)
+        return (x.new_empty(x.shape),
+                x.new_empty(0) if weight is None else weight.new_empty(weight.shape))
+
+
+if ops._LOAD_ERROR is None:
+    _register_fakes()
