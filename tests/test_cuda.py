@@ -139,7 +139,7 @@ def test_layer_norm_non_contiguous_and_rms_mode():
     xt = torch.randn(768, 64, device="cuda").t()  # transposed
     assert rel_err(fl.layer_norm(xt, 768), F.layer_norm(xt, (768,))) < 1e-6
     # Keras' rms_scaling: x * rsqrt(var(x) + eps) * gamma.
-    y = torch.ops.fusedlayers.layer_norm(x, [768], w, None, 1e-3, False, False)[0]
+    y = torch.ops.fusedlayers.layer_norm(x, [768], w, None, 1e-3, False, True)[0]
     ref = x * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-3) * w
     assert rel_err(y, ref) < 1e-6
 
@@ -154,7 +154,7 @@ def test_layer_norm_rms_mode_gradients(offset):
     def rms(x, w):
         return x * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-3) * w
 
-    y = torch.ops.fusedlayers.layer_norm(x, [768], w, None, 1e-3, False, False)[0]
+    y = torch.ops.fusedlayers.layer_norm(x, [768], w, None, 1e-3, False, True)[0]
     dy = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), dy)
     hx, hw = torch.autograd.grad(rms(x, w), (x, w), dy)  # torch in float32
