@@ -1,4 +1,4 @@
-"""Bad input raises a clear error (DESIGN.md, "Bad input"): ValueError/TypeError naming the
+"""Bad input raises a clear error (docs/DESIGN.md, "Bad input"): ValueError/TypeError naming the
 argument and the expected vs received value; nothing silently wrong."""
 
 import math

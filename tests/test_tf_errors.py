@@ -1,5 +1,5 @@
 """Bad inputs to the TensorFlow ops raise tf.errors.InvalidArgumentError whose message names the
-argument and the expected and received values (DESIGN.md, "Bad input"), eagerly and in
+argument and the expected and received values (docs/DESIGN.md, "Bad input"), eagerly and in
 tf.function; the raw op's C++ OP_REQUIRES checks hold when the Python checks are bypassed."""
 
 import math
