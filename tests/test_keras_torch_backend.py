@@ -14,13 +14,13 @@ pytest.importorskip("keras")
 SCRIPT = textwrap.dedent("""
     import numpy as np, keras, torch
     import fusedlayers.keras as flk
-    import fusedlayers.torch.ops as ops
+    import fusedlayers.torch as backend
     calls = []
     for name in ("layer_norm_trailing", "dense_gelu", "relu_scale"):
-        def spy(*a, _f=getattr(ops, name), _n=name, **k):
+        def spy(*a, _f=getattr(backend, name), _n=name, **k):
             calls.append(_n)
             return _f(*a, **k)
-        setattr(ops, name, spy)
+        setattr(backend, name, spy)
     rng = np.random.default_rng({seed})
     x = rng.normal(size=(4, 6, 8)).astype("float32")
     pairs = [(keras.layers.LayerNormalization(axis=[1, 2]), flk.LayerNorm(axis=[1, 2])),

@@ -1,4 +1,5 @@
-// The LayerNorm op: argument checks, then the norm kernels (contract: layer_norm.h).
+// The LayerNorm op: argument checks, then the norm kernels (contract: layer_norm.h). Named
+// *_op.cpp: the JIT build names objects by file stem, and backends/torch/layer_norm.cpp exists.
 #include "layer_norm.h"
 
 namespace fusedlayers {
