@@ -301,8 +301,12 @@ def test_in_out_weight_read_in_place_and_grad_in_its_layout(dtype, approximate):
     g = torch.randn_like(y)
     dx, dw_in_out, db = torch.autograd.grad(y, (x, w_in_out, b), g)
     dx_ref, dw_ref, db_ref = torch.autograd.grad(y_ref, (x, w_out_in, b), g)
-    for got, want in ((dx, dx_ref), (dw_in_out, dw_ref.t()), (db, db_ref)):
-        assert rel_err(got, want) <= tol
+    # db sums g * gelu'(pre) over rows, and pre differs by the GEMMs' rounding: judged against
+    # the size of what it sums.
+    db_scale = g.abs().sum((0, 1))
+    for got, want, scale in ((dx, dx_ref, None), (dw_in_out, dw_ref.t(), None),
+                             (db, db_ref, db_scale)):
+        assert rel_err(got, want, scale) <= tol
     assert dw_in_out.is_contiguous()
     # The op's own grad_weight is the (in, out) storage seen as (out, in): no copy to make.
     _, pre = torch.ops.fusedlayers.linear_gelu_with_pre(x.detach(), w_in_out.detach().t(), b,
