@@ -26,6 +26,11 @@ size_t norm_backward_workspace_size(int64_t rows, int64_t cols, DType dtype, con
 }
 
 void norm_backward(const NormBackwardArgs& a, const Exec& exec) {
+  if ((a.dgamma && !a.gamma) || (a.dbeta && !a.beta))
+    fail("norm_backward: dgamma/dbeta requested without gamma/beta");
+  if ((a.saved_is_output || a.dbeta) && a.mode != NormMode::kLayer)
+    fail("norm_backward: saved_is_output and beta need NormMode::kLayer");
+  if ((a.dgamma || a.dbeta) && !a.workspace) fail("norm_backward: workspace is null");
   if (!exec.cuda) return norm_backward_cpu(a, exec.parallel_for);
 #ifdef FUSEDLAYERS_WITH_CUDA
   norm_backward_cuda(a, exec.stream);

@@ -78,6 +78,8 @@ struct NormBackwardArgs {
   DType dtype, param_dtype;
 };
 
+// The device kernels; callers use norm_forward / norm_backward below, which check the
+// arguments both devices share.
 void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for);
 size_t norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype);
 void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_for);

@@ -199,12 +199,7 @@ void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_fo
   const int64_t rows = a.rows, cols = a.cols;
   check_sizes("norm_backward", rows, cols);
   check_param_dtype("norm_backward", a.dtype, a.param_dtype);
-  if ((a.dgamma && !a.gamma) || (a.dbeta && !a.beta))
-    fail("norm_backward: dgamma/dbeta requested without gamma/beta");
-  if ((a.saved_is_output || a.dbeta) && a.mode != NormMode::kLayer)
-    fail("norm_backward: saved_is_output and beta need NormMode::kLayer");
   const bool want_params = a.dgamma || a.dbeta;
-  if (want_params && !a.workspace) fail("norm_backward: workspace is null");
   dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);

@@ -238,7 +238,7 @@ def test_raw_layer_norm_wrong_beta_shape_and_rank(data):
 
 
 def test_raw_layer_norm_stat_dtype(data):
-    with pytest.raises(IAE, match=r"U \(the mean/rstd dtype\) must be float32 for x of float32"):
+    with pytest.raises(IAE, match=r"U \(the statistics dtype\) must be float32 for x of float32"):
         ops._lib.fusedlayers_layer_norm(data["x"], tf.zeros([0]), tf.zeros([0]), norm_ndims=1,
                                         epsilon=1e-5, has_gamma=False, has_beta=False,
                                         U=tf.float64)

@@ -93,6 +93,18 @@ class Ref {
 inline const void* ptr(const Tensor& t) { return t.tensor_data().data(); }
 inline void* mutable_ptr(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 
+// A workspace of `bytes` (none for 0) from TF's allocator; its pointer, or null.
+inline void* allocate_workspace(OpKernelContext* ctx, size_t bytes, Tensor* t) {
+  if (!bytes) return nullptr;
+  const auto status = ctx->allocate_temp(
+      ::tensorflow::DT_INT8, ::tensorflow::TensorShape({static_cast<int64_t>(bytes)}), t);
+  if (!status.ok()) {
+    ctx->CtxFailure(status);
+    return nullptr;
+  }
+  return mutable_ptr(t);
+}
+
 inline std::string shape_str(const ::tensorflow::TensorShape& s) { return s.DebugString(); }
 
 }  // namespace tf_binding

@@ -1,7 +1,7 @@
 // TensorFlow ops FusedlayersLayerNorm / FusedlayersLayerNormGrad on the csrc layer_norm kernels.
 // The trailing `norm_ndims` dims of x are normalized; gamma/beta are always inputs, and count
 // only when has_gamma/has_beta (TF ops have no optional inputs).
-#include "backends/tensorflow/binding.h"
+#include "backends/tensorflow/norm.h"
 #include "csrc/layer_norm.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -15,19 +15,6 @@ using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::TensorShape;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
-
-// Leading (unnormalized) dims of input 0, for mean and rstd.
-absl::Status StatsShape(InferenceContext* c, ShapeHandle* out) {
-  int norm_ndims;
-  TF_RETURN_IF_ERROR(c->GetAttr("norm_ndims", &norm_ndims));
-  ShapeHandle x = c->input(0);
-  if (!c->RankKnown(x)) {
-    *out = c->UnknownShape();
-    return absl::OkStatus();
-  }
-  TF_RETURN_IF_ERROR(c->WithRankAtLeast(x, norm_ndims, &x));
-  return c->Subshape(x, 0, c->Rank(x) - norm_ndims, out);
-}
 
 REGISTER_OP("FusedlayersLayerNorm")
     .Input("x: T")
@@ -103,13 +90,8 @@ class LayerNormOp : public OpKernel {
           rc = layer_norm_forward_check(a);
         }))
       return;
-    OP_REQUIRES(ctx, to_dtype(stat_dtype_) == norm_stat_dtype(a.input.dtype),
-                absl::InvalidArgumentError(
-                    std::string("fusedlayers.layer_norm: U (the mean/rstd dtype) must be ") +
-                    dtype_name(norm_stat_dtype(a.input.dtype)) + " for x of " +
-                    dtype_name(a.input.dtype)));
-    TensorShape stat_shape;
-    for (int d = 0; d < x.dims() - norm_ndims_; ++d) stat_shape.AddDim(x.dim_size(d));
+    OP_REQUIRES_OK(ctx, check_stat_dtype("layer_norm", stat_dtype_, a.input.dtype));
+    const TensorShape stat_shape = stats_shape(x, norm_ndims_);
     Tensor *y, *mean, *rstd;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, stat_shape, &mean));
@@ -157,14 +139,11 @@ class LayerNormGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, gamma.shape(), &dgamma));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, beta.shape(), &dbeta));
-    if (bytes)
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
-                                             TensorShape({static_cast<int64_t>(bytes)}),
-                                             &workspace));
+    a.workspace = allocate_workspace(ctx, bytes, &workspace);
+    if (!ctx->status().ok()) return;
     a.grad_input = mutable_ptr(dx);
     a.grad_weight = mutable_ptr(dgamma);
     a.grad_bias = mutable_ptr(dbeta);
-    a.workspace = bytes ? mutable_ptr(&workspace) : nullptr;
     call_csrc(ctx, [&] { layer_norm_backward(a, rc, exec); });
   }
 

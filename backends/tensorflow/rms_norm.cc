@@ -1,7 +1,7 @@
 // TensorFlow ops FusedlayersRmsNorm / FusedlayersRmsNormGrad on csrc/rms_norm.h, which checks
 // every argument. The trailing `norm_ndims` dims of x are normalized; weight is always an input
 // and counts only when has_weight (TF ops have no optional inputs).
-#include "backends/tensorflow/binding.h"
+#include "backends/tensorflow/norm.h"
 #include "csrc/rms_norm.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -29,14 +29,9 @@ REGISTER_OP("FusedlayersRmsNorm")
     .Attr("P: {float, double, half, bfloat16}")
     .Attr("U: {float, double}")
     .SetShapeFn([](InferenceContext* c) {
-      int norm_ndims;
-      TF_RETURN_IF_ERROR(c->GetAttr("norm_ndims", &norm_ndims));
+      ShapeHandle stats;
+      TF_RETURN_IF_ERROR(StatsShape(c, &stats));
       c->set_output(0, c->input(0));
-      ShapeHandle x = c->input(0), stats = c->UnknownShape();
-      if (c->RankKnown(x)) {
-        TF_RETURN_IF_ERROR(c->WithRankAtLeast(x, norm_ndims, &x));
-        TF_RETURN_IF_ERROR(c->Subshape(x, 0, c->Rank(x) - norm_ndims, &stats));
-      }
       c->set_output(1, stats);
       return absl::OkStatus();
     })
@@ -83,13 +78,8 @@ class RmsNormOp : public OpKernel {
           rc = rms_norm_forward_check(a);
         }))
       return;
-    OP_REQUIRES(ctx, to_dtype(stat_dtype_) == norm_stat_dtype(a.input.dtype),
-                absl::InvalidArgumentError(
-                    std::string("fusedlayers.rms_norm: U (the rstd dtype) must be ") +
-                    dtype_name(norm_stat_dtype(a.input.dtype)) + " for x of " +
-                    dtype_name(a.input.dtype)));
-    TensorShape stat_shape;
-    for (int d = 0; d < x.dims() - norm_ndims_; ++d) stat_shape.AddDim(x.dim_size(d));
+    OP_REQUIRES_OK(ctx, check_stat_dtype("rms_norm", stat_dtype_, a.input.dtype));
+    const TensorShape stat_shape = stats_shape(x, norm_ndims_);
     Tensor *y, *rstd;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, stat_shape, &rstd));
@@ -131,13 +121,10 @@ class RmsNormGradOp : public OpKernel {
     Tensor *dx, *dweight, workspace;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, weight.shape(), &dweight));
-    if (bytes)
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
-                                             TensorShape({static_cast<int64_t>(bytes)}),
-                                             &workspace));
+    a.workspace = allocate_workspace(ctx, bytes, &workspace);
+    if (!ctx->status().ok()) return;
     a.grad_input = mutable_ptr(dx);
     a.grad_weight = mutable_ptr(dweight);
-    a.workspace = bytes ? mutable_ptr(&workspace) : nullptr;
     call_csrc(ctx, [&] { rms_norm_backward(a, rc, exec); });
   }
 

@@ -43,10 +43,7 @@ Tensor3 layer_norm_kernel(const at::Tensor& input, at::IntArrayRef normalized_sh
   a.out = y.data_ptr();
   a.mean = mean.data_ptr();
   a.rstd = rstd.data_ptr();
-#ifdef FUSEDLAYERS_WITH_CUDA
-  std::optional<c10::cuda::CUDAGuard> guard;
-  if (x.is_cuda()) guard.emplace(x.device());
-#endif
+  const c10::OptionalDeviceGuard guard(x.device());  // kernels get no guard from the dispatcher
   call_csrc([&] { layer_norm_forward(a, rc, exec_for(x)); });
   return {y, mean, rstd};
 }
@@ -73,10 +70,7 @@ Tensor3 layer_norm_backward_kernel(const at::Tensor& grad_out, const at::Tensor&
   at::Tensor dx = at::empty(s.sizes(), s.options());
   at::Tensor dw = w ? at::empty(w->sizes(), w->options()) : at::empty({0}, s.options());
   at::Tensor db = b ? at::empty(b->sizes(), b->options()) : at::empty({0}, s.options());
-#ifdef FUSEDLAYERS_WITH_CUDA
-  std::optional<c10::cuda::CUDAGuard> guard;
-  if (s.is_cuda()) guard.emplace(s.device());
-#endif
+  const c10::OptionalDeviceGuard guard(s.device());  // kernels get no guard from the dispatcher
   const Exec exec = exec_for(s);
   const size_t bytes = call_csrc([&] { return layer_norm_backward_workspace_size(a, rc, exec); });
   const at::Tensor ws = bytes ? workspace(bytes, s) : at::Tensor();

@@ -32,10 +32,7 @@ Tensor2 rms_norm_kernel(const at::Tensor& input, at::IntArrayRef normalized_shap
                 x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   a.out = y.data_ptr();
   a.rstd = rstd.data_ptr();
-#ifdef FUSEDLAYERS_WITH_CUDA
-  std::optional<c10::cuda::CUDAGuard> guard;
-  if (x.is_cuda()) guard.emplace(x.device());
-#endif
+  const c10::OptionalDeviceGuard guard(x.device());  // kernels get no guard from the dispatcher
   call_csrc([&] { rms_norm_forward(a, rc, exec_for(x)); });
   return {y, rstd};
 }
@@ -59,10 +56,7 @@ Tensor2 rms_norm_backward_kernel(const at::Tensor& grad_out, const at::Tensor& i
   const NormRows rc = call_csrc([&] { return rms_norm_backward_check(a); });
   at::Tensor dx = at::empty(x.sizes(), x.options());
   at::Tensor dw = w ? at::empty(w->sizes(), w->options()) : at::empty({0}, x.options());
-#ifdef FUSEDLAYERS_WITH_CUDA
-  std::optional<c10::cuda::CUDAGuard> guard;
-  if (x.is_cuda()) guard.emplace(x.device());
-#endif
+  const c10::OptionalDeviceGuard guard(x.device());  // kernels get no guard from the dispatcher
   const Exec exec = exec_for(x);
   const size_t bytes = call_csrc([&] { return rms_norm_backward_workspace_size(a, rc, exec); });
   const at::Tensor ws = bytes ? workspace(bytes, x) : at::Tensor();

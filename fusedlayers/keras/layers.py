@@ -14,6 +14,20 @@ def _fused(x, op: str):
     return fusedlayers._backend(x, op)
 
 
+def on_trailing_axes(inputs, axis, norm):
+    """norm(x, norm_shape, param_dtype) over the axes `axis` of inputs, which the kernels take as
+    x's trailing dims: other axes are moved there and back. param_dtype: float32 for half inputs
+    (the kernels compute in float32 either way), else x's dtype."""
+    ndim = len(inputs.shape)
+    axes = sorted(a % ndim for a in axis)
+    perm = [d for d in range(ndim) if d not in axes] + axes
+    trailing = perm == list(range(ndim))
+    x = inputs if trailing else ops.transpose(inputs, perm)
+    half = keras.backend.standardize_dtype(x.dtype) in ("float16", "bfloat16")
+    y = norm(x, [inputs.shape[a] for a in axes], "float32" if half else x.dtype)
+    return y if trailing else ops.transpose(y, [perm.index(d) for d in range(ndim)])
+
+
 class _FusedLayer(keras.layers.Layer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -148,28 +162,17 @@ class LayerNorm(_FusedLayer):
             autocast=False) if self.center and not self.rms_scaling else None)
 
     def call(self, inputs):
-        ndim = len(inputs.shape)
-        axes = sorted(a % ndim for a in self.axis)
-        k = len(axes)
-        # Our kernel normalizes trailing dims: move other axes there and back.
-        perm = [d for d in range(ndim) if d not in axes] + axes
-        trailing = perm == list(range(ndim))
-        x = inputs if trailing else ops.transpose(inputs, perm)
-        # Parameters in float32 for half inputs (computed in float32 either way), else x's dtype.
-        half = keras.backend.standardize_dtype(x.dtype) in ("float16", "bfloat16")
-        param_dtype = "float32" if half else x.dtype
-        gamma = ops.cast(self.gamma, param_dtype) if self.gamma is not None else None
-        beta = ops.cast(self.beta, param_dtype) if self.beta is not None else None
-        # gamma/beta dims follow self.axis as Keras sorted it (negatives first, e.g. [-1, 1]);
-        # Keras reshapes (not transposes) them onto the normalized dims: so do we.
-        norm_shape = [inputs.shape[a] for a in axes]
-        gamma = ops.reshape(gamma, norm_shape) if gamma is not None else None
-        beta = ops.reshape(beta, norm_shape) if beta is not None else None
-        y = _fused(x, "layer_norm").layer_norm_trailing(
-            x, k, gamma, beta, self.epsilon, rms_scaling=self.rms_scaling)
-        if not trailing:
-            y = ops.transpose(y, [perm.index(d) for d in range(ndim)])
-        return ops.cast(y, self.compute_dtype)
+        def norm(x, norm_shape, param_dtype):
+            gamma = ops.cast(self.gamma, param_dtype) if self.gamma is not None else None
+            beta = ops.cast(self.beta, param_dtype) if self.beta is not None else None
+            # gamma/beta dims follow self.axis as Keras sorted it (negatives first, e.g.
+            # [-1, 1]); Keras reshapes (not transposes) them onto the normalized dims: so do we.
+            gamma = ops.reshape(gamma, norm_shape) if gamma is not None else None
+            beta = ops.reshape(beta, norm_shape) if beta is not None else None
+            return _fused(x, "layer_norm").layer_norm_trailing(
+                x, len(norm_shape), gamma, beta, self.epsilon, rms_scaling=self.rms_scaling)
+
+        return ops.cast(on_trailing_axes(inputs, self.axis, norm), self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -7,6 +7,8 @@ from keras import ops
 import fusedlayers
 from fusedlayers import _args
 
+from .layers import on_trailing_axes
+
 
 @keras.saving.register_keras_serializable(package="fusedlayers")
 class RMSNorm(keras.layers.Layer):
@@ -31,20 +33,12 @@ class RMSNorm(keras.layers.Layer):
                                      initializer="zeros" if self.zero_centered else "ones")
 
     def call(self, inputs):
-        ndim = len(inputs.shape)
-        axes = sorted(a % ndim for a in self.axis)
-        # The kernel normalizes trailing dims: move the other axes there and back.
-        perm = [d for d in range(ndim) if d not in axes] + axes
-        trailing = perm == list(range(ndim))
-        x = inputs if trailing else ops.transpose(inputs, perm)
-        half = keras.backend.standardize_dtype(x.dtype) in ("float16", "bfloat16")
-        norm_shape = [inputs.shape[a] for a in axes]
-        scale = ops.reshape(ops.cast(self.scale, "float32" if half else x.dtype), norm_shape)
-        y = fusedlayers.rms_norm(x, norm_shape, scale, self.epsilon,
-                                 zero_centered=self.zero_centered)
-        if not trailing:
-            y = ops.transpose(y, [perm.index(d) for d in range(ndim)])
-        return ops.cast(y, self.compute_dtype)
+        def norm(x, norm_shape, param_dtype):
+            scale = ops.reshape(ops.cast(self.scale, param_dtype), norm_shape)
+            return fusedlayers.rms_norm(x, norm_shape, scale, self.epsilon,
+                                        zero_centered=self.zero_centered)
+
+        return ops.cast(on_trailing_axes(inputs, self.axis, norm), self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -58,9 +58,10 @@ def fuse(model: nn.Module, *, layer_norm: bool = True, linear_gelu: bool = True,
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         if layer_norm:
-            _fuse_layer_norms(model, report)
+            _fuse_modules(model, report, lambda m: isinstance(m, nn.LayerNorm),
+                          _verified_layer_norm, "LayerNorm")
         if rms_norm:
-            _fuse_rms_norms(model, report)
+            _fuse_modules(model, report, _rms_norm_like, _verified_rms_norm, "RMSNorm")
         if linear_gelu or relu_scale:
             _fuse_traced(model, report, linear_gelu, relu_scale)
     model.fusedlayers_report = report
@@ -175,19 +176,20 @@ def _mutates_input(module: nn.Module, device: torch.device, dtype: torch.dtype) 
 
 # ---------------------------------------------------------------- LayerNorm
 
-def _fuse_layer_norms(model: nn.Module, report: FuseReport) -> None:
-    fused_of = {}  # id(nn.LayerNorm) -> its LayerNorm, so a shared module stays shared
+def _fuse_modules(model: nn.Module, report: FuseReport, matches, verified, label: str) -> None:
+    """Swaps each child m with matches(m) for verified(m, path, report) (None: left as is)."""
+    fused_of = {}  # id(module) -> its fused module, so a shared module stays shared
     for parent_path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.LayerNorm):
+            if not matches(child):
                 continue
             path = f"{parent_path}.{name}" if parent_path else name
             if id(child) not in fused_of:
-                fused_of[id(child)] = _verified_layer_norm(child, path, report)
+                fused_of[id(child)] = verified(child, path, report)
             fused = fused_of[id(child)]
             if fused is not None:
                 setattr(parent, name, fused)
-                report.swapped.append((path, "nn.LayerNorm", "LayerNorm"))
+                report.swapped.append((path, _describe(child), label))
 
 
 def _verified_layer_norm(ln: nn.LayerNorm, path: str, report: FuseReport) -> LayerNorm | None:
@@ -219,21 +221,6 @@ def _rms_norm_like(m: nn.Module) -> bool:
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     return (not list(m.children()) and list(params) == ["weight"] and params["weight"].dim() == 1
             and isinstance(eps, float))
-
-
-def _fuse_rms_norms(model: nn.Module, report: FuseReport) -> None:
-    fused_of = {}  # id(module) -> its RMSNorm, so a shared module stays shared
-    for parent_path, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if not _rms_norm_like(child):
-                continue
-            path = f"{parent_path}.{name}" if parent_path else name
-            if id(child) not in fused_of:
-                fused_of[id(child)] = _verified_rms_norm(child, path, report)
-            fused = fused_of[id(child)]
-            if fused is not None:
-                setattr(parent, name, fused)
-                report.swapped.append((path, _describe(child), "RMSNorm"))
 
 
 def _verified_rms_norm(m: nn.Module, path: str, report: FuseReport) -> RMSNorm | None:
