@@ -47,27 +47,24 @@ FUSEDLAYERS_INLINE float exp_approx(float x) {
   return lo ? 0.0f : (hi ? std::numeric_limits<float>::infinity() : res);
 }
 
-// erfc(z) e^{z^2} for z = |u| / sqrt 2, the scaled complementary error function: t G(t) with
-// t = 1 / (1 + z/2) and G of degree 10, fitted for relative error (max 1.1e-8 in exact
-// arithmetic, ~2e-7 in float) in the variable of Press et al., Numerical Recipes 2nd ed. §6.2.
-// Keeping e^{-z^2} outside lets GELU's gradient share one exp between Phi and the pdf.
+// erfc(z) e^{z^2} for z = |u| / sqrt 2: the fit of gelu.h. Keeping e^{-z^2} outside lets GELU's
+// gradient share one exp between Phi and the pdf.
 FUSEDLAYERS_INLINE float erfcx_approx_of_abs(float u) {
-  const float t = 1.0f / (1.0f + std::abs(u) * 0.35355339059327376f);  // z/2 = |u| / (2 sqrt 2)
+  using namespace gelu;
+  const float t = 1.0f / (1.0f + std::abs(u) * kHalfInvSqrt2);
   const float t2 = t * t, t4 = t2 * t2;  // Estrin's scheme, as in exp_approx
-  const float g = ((2.820947949e-1f + 2.820938420e-1f * t) +
-                   (2.468808824e-1f + 1.753732564e-1f * t) * t2) +
-                  ((9.302343999e-2f - 5.731799185e-2f * t) +
-                   (1.272857766e-1f - 4.472571062e-1f * t) * t2) * t4 +
-                  ((4.864195662e-1f - 2.309721610e-1f * t) + 4.237568961e-2f * t2) * (t4 * t4);
+  const float g = ((kErfcx0 + kErfcx1 * t) + (kErfcx2 + kErfcx3 * t) * t2) +
+                  ((kErfcx4 + kErfcx5 * t) + (kErfcx6 + kErfcx7 * t) * t2) * t4 +
+                  ((kErfcx8 + kErfcx9 * t) + kErfcx10 * t2) * (t4 * t4);
   return t * g;
 }
 
 inline double exp_approx(double x) { return std::exp(x); }
 
-template <typename A> constexpr A kSqrt1_2 = A(0.70710678118654752440);
-template <typename A> constexpr A kSqrt2OverPi = A(0.79788456080286535588);
-template <typename A> constexpr A kInvSqrt2Pi = A(0.39894228040143267794);
-template <typename A> constexpr A kCoeff = A(0.044715);
+template <typename A> constexpr A kSqrt1_2 = A(gelu::kSqrt1_2);
+template <typename A> constexpr A kSqrt2OverPi = A(gelu::kSqrt2OverPi);
+template <typename A> constexpr A kInvSqrt2Pi = A(gelu::kInvSqrt2Pi);
+template <typename A> constexpr A kCoeff = A(gelu::kCubic);
 
 // P(N(0,1) > |u|) = erfc(|u| / sqrt 2) / 2, given e = exp(-u^2 / 2): relative accuracy in the
 // whole tail, where 1 - Phi(|u|) would cancel. double uses libm's erfc (and ignores e).

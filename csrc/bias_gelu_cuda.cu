@@ -1,5 +1,5 @@
 // CUDA bias + GELU epilogue (math: bias_gelu.h). Phi(u) comes from e^{-u^2/2} times the scaled
-// erfc fit of bias_gelu_cpu.cpp (relative error ~2e-7 in both tails), so the erf gradient's Phi
+// erfc fit of gelu.h (relative error ~2e-7 in both tails), so the erf gradient's Phi
 // and pdf share one exponential; the tanh form is written as a sigmoid, 1 / (1 + e^{-2z}), to
 // avoid cancellation. The pass must run at memory speed, which leaves ~35 FP32 instructions per
 // bf16 element on an H100: the reciprocals and exponentials are the MUFU approximations (__expf:
@@ -17,25 +17,25 @@ using cuda::to_acc;
 using A = float;
 constexpr int kThreads = 256;
 
-constexpr float kSqrt2OverPi = 0.79788456080286535588f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-constexpr float kCoeff = 0.044715f;
+constexpr float kSqrt2OverPi = gelu::kSqrt2OverPi;
+constexpr float kInvSqrt2Pi = gelu::kInvSqrt2Pi;
+constexpr float kCoeff = gelu::kCubic;
 
-// erfc(z) e^{z^2} at z = |u| / sqrt 2: t G(t), t = 1 / (1 + z/2) (the fit of bias_gelu_cpu.cpp).
-// Horner, not Estrin: with many warps per SM the pass is throughput-bound, not latency-bound.
+// erfc(z) e^{z^2} at z = |u| / sqrt 2: t G(t), the fit of gelu.h. Horner, not Estrin: with many
+// warps per SM the pass is throughput-bound, not latency-bound.
 __device__ __forceinline__ A erfcx_of_abs(A u) {
-  const A t = __fdividef(A(1), fmaf(fabsf(u), 0.35355339059327376f, A(1)));
-  A g = 4.237568961e-2f;
-  g = fmaf(g, t, -2.309721610e-1f);
-  g = fmaf(g, t, 4.864195662e-1f);
-  g = fmaf(g, t, -4.472571062e-1f);
-  g = fmaf(g, t, 1.272857766e-1f);
-  g = fmaf(g, t, -5.731799185e-2f);
-  g = fmaf(g, t, 9.302343999e-2f);
-  g = fmaf(g, t, 1.753732564e-1f);
-  g = fmaf(g, t, 2.468808824e-1f);
-  g = fmaf(g, t, 2.820938420e-1f);
-  g = fmaf(g, t, 2.820947949e-1f);
+  using namespace gelu;
+  const A t = __fdividef(A(1), fmaf(fabsf(u), kHalfInvSqrt2, A(1)));
+  A g = fmaf(kErfcx10, t, kErfcx9);
+  g = fmaf(g, t, kErfcx8);
+  g = fmaf(g, t, kErfcx7);
+  g = fmaf(g, t, kErfcx6);
+  g = fmaf(g, t, kErfcx5);
+  g = fmaf(g, t, kErfcx4);
+  g = fmaf(g, t, kErfcx3);
+  g = fmaf(g, t, kErfcx2);
+  g = fmaf(g, t, kErfcx1);
+  g = fmaf(g, t, kErfcx0);
   return t * g;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -69,6 +70,11 @@ struct Sizes {
   }
 };
 
+// A tensor viewed as a rows x cols matrix, as an op's check returns it.
+struct RowsCols {
+  int64_t rows, cols;
+};
+
 // A contiguous row-major tensor handed to an op entry point; `defined` is false for an absent
 // optional argument (data may be null for an empty tensor that is present).
 struct TensorRef {
@@ -88,6 +94,13 @@ class Error : public std::invalid_argument {
   Kind kind;
 };
 
+// A double as messages print it (%g: 1e-05, nan, inf).
+inline std::string format_number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
 [[noreturn]] inline void fail(const std::string& msg) { throw Error("fusedlayers: " + msg); }
 // An argument error of op `op` (as the user calls it: "fusedlayers.<op>: ...").
 [[noreturn]] inline void arg_error(const char* op, const std::string& msg,
@@ -96,3 +109,12 @@ class Error : public std::invalid_argument {
 }
 
 }  // namespace fusedlayers
+
+// cuda_call on a CUDA Exec, else cpu_call: the one place an op entry point picks its kernels. The
+// CUDA kernels exist only in builds with FUSEDLAYERS_WITH_CUDA; elsewhere a CUDA Exec is an Error.
+#ifdef FUSEDLAYERS_WITH_CUDA
+#define FUSEDLAYERS_ON_DEVICE(exec, cpu_call, cuda_call) ((exec).cuda ? (cuda_call) : (cpu_call))
+#else
+#define FUSEDLAYERS_ON_DEVICE(exec, cpu_call, cuda_call) \
+  ((exec).cuda ? throw ::fusedlayers::Error("fusedlayers: built without CUDA kernels") : (cpu_call))
+#endif

@@ -39,13 +39,13 @@ struct LayerNormBackward {
 };
 
 // Checks every argument rule; rows x cols of the normalized view.
-NormRows layer_norm_forward_check(const LayerNormForward& a);
-NormRows layer_norm_backward_check(const LayerNormBackward& a);
+RowsCols layer_norm_forward_check(const LayerNormForward& a);
+RowsCols layer_norm_backward_check(const LayerNormBackward& a);
 
 // Run the pass on exec's device; a must have passed its check.
-void layer_norm_forward(const LayerNormForward& a, NormRows rc, const Exec& exec);
-size_t layer_norm_backward_workspace_size(const LayerNormBackward& a, NormRows rc,
+void layer_norm_forward(const LayerNormForward& a, RowsCols rc, const Exec& exec);
+size_t layer_norm_backward_workspace_size(const LayerNormBackward& a, RowsCols rc,
                                           const Exec& exec);
-void layer_norm_backward(const LayerNormBackward& a, NormRows rc, const Exec& exec);
+void layer_norm_backward(const LayerNormBackward& a, RowsCols rc, const Exec& exec);
 
 }  // namespace fusedlayers

@@ -10,9 +10,9 @@ NormMode mode_of(bool rms_scaling) {
 }
 
 // The rules forward and backward share, for `op` on input (or saved) x.
-NormRows check_common(const char* op, const TensorRef& x, Sizes normalized_shape,
+RowsCols check_common(const char* op, const TensorRef& x, Sizes normalized_shape,
                       const TensorRef& weight, const TensorRef& bias, bool rms_scaling) {
-  const NormRows rc = check_norm_input(op, x, normalized_shape);
+  const RowsCols rc = check_norm_input(op, x, normalized_shape);
   check_norm_param(op, "weight", weight, x, normalized_shape);
   check_norm_param(op, "bias", bias, x, normalized_shape);
   check_same_param_dtype(op, weight, bias);
@@ -22,23 +22,23 @@ NormRows check_common(const char* op, const TensorRef& x, Sizes normalized_shape
 
 }  // namespace
 
-NormRows layer_norm_forward_check(const LayerNormForward& a) {
-  const NormRows rc =
+RowsCols layer_norm_forward_check(const LayerNormForward& a) {
+  const RowsCols rc =
       check_common("layer_norm", a.input, a.normalized_shape, a.weight, a.bias, a.rms_scaling);
   check_eps("layer_norm", a.eps);
   return rc;
 }
 
-void layer_norm_forward(const LayerNormForward& a, NormRows rc, const Exec& exec) {
+void layer_norm_forward(const LayerNormForward& a, RowsCols rc, const Exec& exec) {
   norm_forward({a.input.data, a.weight.data, a.bias.data, a.out, a.mean, a.rstd, rc.rows,
                 rc.cols, a.eps, 0.0f, mode_of(a.rms_scaling), a.input.dtype,
                 norm_param_dtype(a.input, a.weight, a.bias)},
                exec);
 }
 
-NormRows layer_norm_backward_check(const LayerNormBackward& a) {
+RowsCols layer_norm_backward_check(const LayerNormBackward& a) {
   const char* op = "layer_norm_backward";
-  const NormRows rc =
+  const RowsCols rc =
       check_common(op, a.saved, a.normalized_shape, a.weight, a.bias, a.rms_scaling);
   if (a.memory_efficient && a.rms_scaling)
     arg_error(op, "memory_efficient needs rms_scaling False");
@@ -46,13 +46,13 @@ NormRows layer_norm_backward_check(const LayerNormBackward& a) {
   return rc;
 }
 
-size_t layer_norm_backward_workspace_size(const LayerNormBackward& a, NormRows rc,
+size_t layer_norm_backward_workspace_size(const LayerNormBackward& a, RowsCols rc,
                                           const Exec& exec) {
   if (!a.weight.defined && !a.bias.defined) return 0;
   return norm_backward_workspace_size(rc.rows, rc.cols, a.saved.dtype, exec);
 }
 
-void layer_norm_backward(const LayerNormBackward& a, NormRows rc, const Exec& exec) {
+void layer_norm_backward(const LayerNormBackward& a, RowsCols rc, const Exec& exec) {
   norm_backward({a.grad_out.data, a.saved.data, a.memory_efficient ? nullptr : a.mean.data,
                  a.rstd.data, a.weight.data, a.bias.data, a.grad_input,
                  a.weight.defined ? a.grad_weight : nullptr,

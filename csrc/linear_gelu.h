@@ -1,4 +1,4 @@
-// Linear + GELU on CUDA, y = gelu(x @ W^T + b) (Hendrycks & Gimpel 2016, arXiv:1606.08415), with
+// The Linear + GELU op, y = gelu(x @ W^T + b) (gelu.h): its contract, and on CUDA its passes, with
 // the GEMMs on cuBLASLt. (On the CPU the framework's GEMM runs and csrc only fuses the epilogue:
 // bias_gelu.h.) x: m x k, b: n, y and pre: m x n, all row-major and contiguous; W is the n x k
 // matrix, stored either as nn.Linear keeps it (n x k row-major, WeightLayout::kOutIn) or as GPT-2's
@@ -23,6 +23,7 @@
 
 #include "bias_gelu.h"
 #include "common.h"
+#include "gelu.h"
 
 typedef struct cublasLtContext* cublasLtHandle_t;  // as cublasLt.h declares it
 
@@ -40,18 +41,46 @@ struct LtContext {
   cudaStream_t stream;
 };
 
-// pre: m x n, or nullptr when no backward will read it.
-void linear_gelu_forward_cuda(const void* x, const void* w, WeightLayout w_layout,
-                              const void* bias, void* pre, void* y, int64_t m, int64_t n,
-                              int64_t k, GeluApprox approx, DType dtype, const LtContext& lt);
+// The op's contract, for every binding: input at least 1-D with last dim in_features; weight 2-D
+// (out_features, in_features) in input's dtype; bias (out_features,) in input's dtype; the
+// backward's grad_out and pre of shape (..., out_features) in input's dtype. Errors: Error of kind
+// kType for dtypes, kValue otherwise. input, pre and grad_out are contiguous; weight is stored
+// contiguous in weight_layout; the bindings allocate the outputs.
+struct LinearGeluForward {
+  TensorRef input;   // (..., in_features)
+  TensorRef weight;  // sizes (out_features, in_features); data stored in weight_layout
+  WeightLayout weight_layout = WeightLayout::kOutIn;
+  TensorRef bias;  // (out_features,), or not defined
+  GeluApprox approx = GeluApprox::kNone;
+  // Outputs of shape (..., out_features): pre (nullptr when no backward will read it) and out.
+  void* pre = nullptr;
+  void* out = nullptr;
+};
 
-// Scratch for the backward: dpre (m x n of dtype) followed by the dbias slab sums.
-size_t linear_gelu_backward_workspace_size_cuda(int64_t m, int64_t n, DType dtype);
+struct LinearGeluBackward {
+  TensorRef grad_out, input, weight, pre;
+  WeightLayout weight_layout = WeightLayout::kOutIn;
+  bool has_bias = false;
+  GeluApprox approx = GeluApprox::kNone;
+  // Outputs: grad_input like input, grad_weight in weight_layout, grad_bias when has_bias.
+  void* grad_input = nullptr;
+  void* grad_weight = nullptr;
+  void* grad_bias = nullptr;
+  void* workspace = nullptr;  // linear_gelu_backward_workspace_size_cuda() bytes
+};
 
-// dw is written in w_layout, like w.
-void linear_gelu_backward_cuda(const void* dy, const void* x, const void* w,
-                               WeightLayout w_layout, const void* pre, void* dx, void* dw,
-                               void* dbias, void* workspace, int64_t m, int64_t n, int64_t k,
-                               GeluApprox approx, DType dtype, const LtContext& lt);
+// The GEMM's sizes: m rows (input's leading dims), n = out_features, k = in_features.
+struct GemmSizes {
+  int64_t m, n, k;
+};
+
+GemmSizes linear_gelu_forward_check(const LinearGeluForward& a);
+GemmSizes linear_gelu_backward_check(const LinearGeluBackward& a);
+
+// The CUDA passes; a must have passed its check. On the CPU the bindings run their framework's
+// GEMMs around the bias_gelu op.
+void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtContext& lt);
+size_t linear_gelu_backward_workspace_size_cuda(GemmSizes s, DType dtype);
+void linear_gelu_backward_cuda(const LinearGeluBackward& a, GemmSizes s, const LtContext& lt);
 
 }  // namespace fusedlayers

@@ -169,18 +169,15 @@ void matmul(const LtContext& lt, DType dtype, const Gemm& g) {
          dtype_name(dtype) + ")");
 }
 
-void check_sizes(const char* op, int64_t m, int64_t n, int64_t k) {
-  if (m < 0 || n < 0 || k < 0)
-    fail(std::string(op) + ": sizes must be >= 0, got m=" + std::to_string(m) +
-         " n=" + std::to_string(n) + " k=" + std::to_string(k));
-}
-
 }  // namespace
 
-void linear_gelu_forward_cuda(const void* x, const void* w, WeightLayout w_layout,
-                              const void* bias, void* pre, void* y, int64_t m, int64_t n,
-                              int64_t k, GeluApprox approx, DType dtype, const LtContext& lt) {
-  check_sizes("linear_gelu", m, n, k);
+void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtContext& lt) {
+  const auto [m, n, k] = s;
+  const void *x = a.input.data, *w = a.weight.data;
+  const void* bias = a.bias.defined ? a.bias.data : nullptr;
+  void *pre = a.pre, *y = a.out;
+  const GeluApprox approx = a.approx;
+  const DType dtype = a.input.dtype;
   if (m == 0 || n == 0) return;
   void* h = pre ? pre : y;  // the GEMM's output when the GELU is a separate pass
   if (k == 0) {  // x W^T is all zeros: no GEMM to run
@@ -191,7 +188,7 @@ void linear_gelu_forward_cuda(const void* x, const void* w, WeightLayout w_layou
   }
   // Row-major pre (m x n) = x W^T is column-major pre^T (n x m) = W x^T. B = x (k x m stored);
   // A = W: (out, in) row-major is k x n column-major, transposed; (in, out) is n x k, as is.
-  const bool out_in = w_layout == WeightLayout::kOutIn;
+  const bool out_in = a.weight_layout == WeightLayout::kOutIn;
   Gemm g{out_in, false, n, m, k, w, out_in ? k : n, x, k, y};
   // cuBLASLt's GELU_AUX epilogues need the aux leading dimension (n) divisible by 8.
   if (approx == GeluApprox::kTanh && n % 8 == 0) {
@@ -209,17 +206,19 @@ void linear_gelu_forward_cuda(const void* x, const void* w, WeightLayout w_layou
   bias_gelu_forward_cuda(h, nullptr, nullptr, y, m, n, approx, dtype, lt.stream);  // h holds pre
 }
 
-size_t linear_gelu_backward_workspace_size_cuda(int64_t m, int64_t n, DType dtype) {
-  check_sizes("linear_gelu_backward", m, n, 0);
+size_t linear_gelu_backward_workspace_size_cuda(GemmSizes s, DType dtype) {
+  const int64_t m = s.m, n = s.n;
   const size_t dpre = (size_t(m * n) * dtype_size(dtype) + 255) / 256 * 256;
   return dpre + bias_gelu_backward_workspace_size_cuda(m, n, dtype);
 }
 
-void linear_gelu_backward_cuda(const void* dy, const void* x, const void* w,
-                               WeightLayout w_layout, const void* pre, void* dx, void* dw,
-                               void* dbias, void* workspace, int64_t m, int64_t n, int64_t k,
-                               GeluApprox approx, DType dtype, const LtContext& lt) {
-  check_sizes("linear_gelu_backward", m, n, k);
+void linear_gelu_backward_cuda(const LinearGeluBackward& a, GemmSizes s, const LtContext& lt) {
+  const auto [m, n, k] = s;
+  const void *dy = a.grad_out.data, *x = a.input.data, *w = a.weight.data, *pre = a.pre.data;
+  void *dx = a.grad_input, *dw = a.grad_weight, *workspace = a.workspace;
+  void* dbias = a.has_bias ? a.grad_bias : nullptr;
+  const GeluApprox approx = a.approx;
+  const DType dtype = a.input.dtype;
   if (n > 0 && !workspace) fail("linear_gelu_backward: workspace is null");  // 0 bytes if n = 0
   char* dpre = static_cast<char*>(workspace);
   void* slabs = dpre + (size_t(m * n) * dtype_size(dtype) + 255) / 256 * 256;
@@ -230,7 +229,7 @@ void linear_gelu_backward_cuda(const void* dy, const void* x, const void* w,
     cuda::check(cudaMemsetAsync(dw, 0, size_t(n * k) * dtype_size(dtype), lt.stream), "memset");
     return;
   }
-  const bool out_in = w_layout == WeightLayout::kOutIn;
+  const bool out_in = a.weight_layout == WeightLayout::kOutIn;
   // dgrad, row-major dx (m x k) = dpre W: column-major dx^T (k x m) = W^T dpre^T, B = dpre (n x m
   // stored); A = W^T: (out, in) row-major is k x n column-major as is; (in, out) is n x k,
   // transposed.

@@ -2,27 +2,18 @@
 #include "norm.h"
 
 #include <cmath>
-#include <cstdio>
 #include <string>
 
 namespace fusedlayers {
 
 void norm_forward(const NormForwardArgs& a, const Exec& exec) {
-  if (!exec.cuda) return norm_forward_cpu(a, exec.parallel_for);
-#ifdef FUSEDLAYERS_WITH_CUDA
-  norm_forward_cuda(a, exec.stream);
-#else
-  fail("built without CUDA kernels");
-#endif
+  FUSEDLAYERS_ON_DEVICE(exec, norm_forward_cpu(a, exec.parallel_for),
+                        norm_forward_cuda(a, exec.stream));
 }
 
 size_t norm_backward_workspace_size(int64_t rows, int64_t cols, DType dtype, const Exec& exec) {
-  if (!exec.cuda) return norm_backward_workspace_size_cpu(rows, cols, dtype);
-#ifdef FUSEDLAYERS_WITH_CUDA
-  return norm_backward_workspace_size_cuda(rows, cols, dtype);
-#else
-  fail("built without CUDA kernels");
-#endif
+  return FUSEDLAYERS_ON_DEVICE(exec, norm_backward_workspace_size_cpu(rows, cols, dtype),
+                               norm_backward_workspace_size_cuda(rows, cols, dtype));
 }
 
 void norm_backward(const NormBackwardArgs& a, const Exec& exec) {
@@ -31,12 +22,8 @@ void norm_backward(const NormBackwardArgs& a, const Exec& exec) {
   if ((a.saved_is_output || a.dbeta) && a.mode != NormMode::kLayer)
     fail("norm_backward: saved_is_output and beta need NormMode::kLayer");
   if ((a.dgamma || a.dbeta) && !a.workspace) fail("norm_backward: workspace is null");
-  if (!exec.cuda) return norm_backward_cpu(a, exec.parallel_for);
-#ifdef FUSEDLAYERS_WITH_CUDA
-  norm_backward_cuda(a, exec.stream);
-#else
-  fail("built without CUDA kernels");
-#endif
+  FUSEDLAYERS_ON_DEVICE(exec, norm_backward_cpu(a, exec.parallel_for),
+                        norm_backward_cuda(a, exec.stream));
 }
 
 namespace {
@@ -52,7 +39,7 @@ Sizes trailing_dims(const char* op, const TensorRef& input, int64_t k) {
   return input.sizes.tail(k);
 }
 
-NormRows check_norm_input(const char* op, const TensorRef& input, Sizes normalized_shape) {
+RowsCols check_norm_input(const char* op, const TensorRef& input, Sizes normalized_shape) {
   const int64_t k = normalized_shape.size;
   if (k == 0) arg_error(op, "normalized_shape must not be empty");
   for (int64_t i = 0; i < k; ++i)
@@ -87,11 +74,8 @@ void check_same_param_dtype(const char* op, const TensorRef& weight, const Tenso
 }
 
 void check_eps(const char* op, double eps) {
-  if (!std::isfinite(eps) || eps < 0) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%g", eps);
-    arg_error(op, std::string("eps must be finite and >= 0, got ") + buf);
-  }
+  if (!std::isfinite(eps) || eps < 0)
+    arg_error(op, "eps must be finite and >= 0, got " + format_number(eps));
 }
 
 void check_norm_backward(const char* op, const TensorRef& grad_out, const TensorRef& saved,

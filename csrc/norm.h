@@ -98,13 +98,10 @@ size_t norm_backward_workspace_size(int64_t rows, int64_t cols, DType dtype, con
 void norm_backward(const NormBackwardArgs& a, const Exec& exec);
 
 // Argument checks shared by the norm ops; messages name `op` and its arguments.
-struct NormRows {
-  int64_t rows, cols;
-};
 // The last k dims of input, as normalized_shape for bindings that take a count of dims.
 Sizes trailing_dims(const char* op, const TensorRef& input, int64_t k);
 // input's trailing dims equal normalized_shape (non-empty, positive sizes).
-NormRows check_norm_input(const char* op, const TensorRef& input, Sizes normalized_shape);
+RowsCols check_norm_input(const char* op, const TensorRef& input, Sizes normalized_shape);
 // A parameter (`arg`, if defined) of shape normalized_shape, input's dtype or float32 for half.
 void check_norm_param(const char* op, const char* arg, const TensorRef& param,
                       const TensorRef& input, Sizes normalized_shape);

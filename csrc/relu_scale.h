@@ -19,17 +19,37 @@ namespace fusedlayers {
 
 inline int64_t relu_scale_mask_words(int64_t n) { return (n + 31) / 32; }
 
-// x, y: n elements of `dtype`, contiguous. y may alias x. mask: relu_scale_mask_words(n) words,
-// written when not null.
+// The op's contract, for every binding: alpha finite; the mask of the backward holds
+// relu_scale_mask_words(n) words for grad_out's n elements. Errors: Error of kind kValue. Tensors
+// are contiguous; the bindings allocate the outputs (like x / grad_out, and the mask).
+struct ReluScaleForward {
+  TensorRef x;
+  double alpha = 1.0;
+  void* out = nullptr;       // may alias x.data
+  uint32_t* mask = nullptr;  // relu_scale_mask_words(n) words, written when not null
+};
+
+struct ReluScaleBackward {
+  TensorRef grad_out;
+  const uint32_t* mask = nullptr;  // as the forward wrote it
+  Sizes mask_sizes;
+  double alpha = 1.0;
+  void* grad_input = nullptr;  // may alias grad_out.data
+};
+
+void relu_scale_forward_check(const ReluScaleForward& a);
+void relu_scale_backward_check(const ReluScaleBackward& a);
+// Run the pass on exec's device; a must have passed its check.
+void relu_scale_forward(const ReluScaleForward& a, const Exec& exec);
+void relu_scale_backward(const ReluScaleBackward& a, const Exec& exec);
+
+// The kernels. x, y: n elements of `dtype`; y may alias x. mask: written when not null.
 void relu_scale_forward_cpu(const void* x, void* y, uint32_t* mask, int64_t n, double alpha,
                             DType dtype, const ParallelFor& parallel_for);
-
-// dy, dx: n elements of `dtype`, contiguous; dx may alias dy. mask: as written by the forward.
 void relu_scale_backward_cpu(const void* dy, const uint32_t* mask, void* dx, int64_t n,
                              double alpha, DType dtype, const ParallelFor& parallel_for);
-
-// CUDA: the same contract on device pointers, launched on `stream` of the current device.
-// 16-byte vector accesses when x, y (and dy, dx) are 16-byte aligned; 64-bit indexing.
+// CUDA: the same on device pointers, launched on `stream` of the current device. 16-byte vector
+// accesses when x, y (and dy, dx) are 16-byte aligned; 64-bit indexing.
 void relu_scale_forward_cuda(const void* x, void* y, uint32_t* mask, int64_t n, double alpha,
                              DType dtype, cudaStream_t stream);
 void relu_scale_backward_cuda(const void* dy, const uint32_t* mask, void* dx, int64_t n,

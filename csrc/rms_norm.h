@@ -34,12 +34,12 @@ struct RmsNormBackward {
   void* workspace = nullptr;  // rms_norm_backward_workspace_size() bytes
 };
 
-NormRows rms_norm_forward_check(const RmsNormForward& a);
-NormRows rms_norm_backward_check(const RmsNormBackward& a);
+RowsCols rms_norm_forward_check(const RmsNormForward& a);
+RowsCols rms_norm_backward_check(const RmsNormBackward& a);
 
 // Run the pass on exec's device; a must have passed its check.
-void rms_norm_forward(const RmsNormForward& a, NormRows rc, const Exec& exec);
-size_t rms_norm_backward_workspace_size(const RmsNormBackward& a, NormRows rc, const Exec& exec);
-void rms_norm_backward(const RmsNormBackward& a, NormRows rc, const Exec& exec);
+void rms_norm_forward(const RmsNormForward& a, RowsCols rc, const Exec& exec);
+size_t rms_norm_backward_workspace_size(const RmsNormBackward& a, RowsCols rc, const Exec& exec);
+void rms_norm_backward(const RmsNormBackward& a, RowsCols rc, const Exec& exec);
 
 }  // namespace fusedlayers

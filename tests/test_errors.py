@@ -105,10 +105,10 @@ def test_linear_gelu_non_float_input(dtype):
 
 
 @pytest.mark.parametrize("w_dtype,b_dtype,match", [
-    (torch.float64, None, r"weight must have input's dtype Float, got Double"),
-    (torch.int64, None, r"weight must have input's dtype Float, got Long"),
-    (torch.bfloat16, None, r"weight must have input's dtype Float, got BFloat16"),
-    (torch.float32, torch.float64, r"bias must have input's dtype Float, got Double"),
+    (torch.float64, None, r"weight must have input's dtype float32, got float64"),
+    (torch.int64, None, r"weight must be float32, float64, float16 or bfloat16, got Long"),
+    (torch.bfloat16, None, r"weight must have input's dtype float32, got bfloat16"),
+    (torch.float32, torch.float64, r"bias must have input's dtype float32, got float64"),
 ])
 def test_linear_gelu_dtype_mismatch(w_dtype, b_dtype, match):
     b = None if b_dtype is None else torch.zeros(5, dtype=b_dtype)

@@ -255,14 +255,16 @@ def test_raw_relu_scale_alpha_and_grad_shape(data):
     with pytest.raises(IAE, match=r"alpha must be finite, got nan"):
         ops._lib.fusedlayers_relu_scale(data["x"], alpha=math.nan)
     _, mask = ops._lib.fusedlayers_relu_scale(data["x"], alpha=1.0)
-    with pytest.raises(IAE, match=r"mask must have shape \[2\] for dy of 40 elements, got \[1\]"):
+    with pytest.raises(IAE, match=r"mask must have shape \[2\] for grad_out of 40 elements, "
+                                   r"got \[1\]"):
         ops._lib.fusedlayers_relu_scale_grad(tf.ones([5, 8]), mask, alpha=1.0)
 
 
 def test_raw_bias_gelu_bias_shape_and_grad_shape(data):
-    with pytest.raises(IAE, match=r"bias must have shape \[7\] \(units\), got \[5\]"):
+    with pytest.raises(IAE, match=r"bias must have shape \[7\] \(out_features\), got \[5\]"):
         ops._lib.fusedlayers_bias_gelu(data["x"], data["b"], has_bias=True)
-    with pytest.raises(IAE, match=r"dy must have pre's shape \[3,7\], got \[7,3\]"):
+    with pytest.raises(IAE, match=r"grad_out must match pre \(\[3, 7\], float32\), "
+                                   r"got \[7, 3\], float32"):
         ops._lib.fusedlayers_bias_gelu_grad(tf.ones([7, 3]), data["x"], has_bias=False)
     with pytest.raises(IAE, match=r"at least 1-D"):
         ops._lib.fusedlayers_bias_gelu(tf.constant(1.0), tf.zeros([0]), has_bias=False)

@@ -50,25 +50,10 @@ class BiasGeluBase : public OpKernel {
     std::string approximate;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("approximate", &approximate));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("has_bias", &has_bias_));
-    approx_ = approximate == "tanh" ? GeluApprox::kTanh : GeluApprox::kNone;
+    approx_ = approximate == "tanh" ? GeluApprox::kTanh : GeluApprox::kNone;  // TF checked it
   }
 
  protected:
-  // Returns false (with the op failed) unless t is at least 1-D.
-  bool RowsCols(OpKernelContext* ctx, const char* op, const Tensor& t, int64_t* rows,
-                int64_t* cols) {
-    if (t.dims() < 1) {
-      ctx->CtxFailure(absl::InvalidArgumentError(std::string("fusedlayers.") + op +
-                                                 ": input must be at least 1-D, got shape " +
-                                                 shape_str(t.shape())));
-      return false;
-    }
-    *cols = t.dim_size(t.dims() - 1);
-    *rows = 1;
-    for (int d = 0; d < t.dims() - 1; ++d) *rows *= t.dim_size(d);
-    return true;
-  }
-
   bool has_bias_;
   GeluApprox approx_;
 };
@@ -80,25 +65,16 @@ class BiasGeluOp : public BiasGeluBase {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& h = ctx->input(0);
-    const Tensor& bias = ctx->input(1);
-    int64_t rows, cols;
-    if (!RowsCols(ctx, "linear_gelu", h, &rows, &cols)) return;
-    OP_REQUIRES(ctx, !has_bias_ || (bias.dims() == 1 && bias.dim_size(0) == cols),
-                absl::InvalidArgumentError("fusedlayers.linear_gelu: bias must have shape [" +
-                                           std::to_string(cols) + "] (units), got " +
-                                           shape_str(bias.shape())));
+    const Ref hr(h), br(ctx->input(1), has_bias_);
+    BiasGeluForward a{*hr, *br, approx_};
+    RowsCols rc;
+    if (!call_csrc(ctx, [&] { rc = bias_gelu_forward_check("linear_gelu", a); })) return;
     Tensor *pre, *y;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, h.shape(), &pre));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, h.shape(), &y));
-    const void* b = has_bias_ ? ptr(bias) : nullptr;
-    call_csrc(ctx, [&] {
-      if constexpr (kGpu)
-        bias_gelu_forward_cuda(ptr(h), b, mutable_ptr(pre), mutable_ptr(y), rows, cols, approx_,
-                               to_dtype(h.dtype()), gpu_stream(ctx));
-      else
-        bias_gelu_forward_cpu(ptr(h), b, mutable_ptr(pre), mutable_ptr(y), rows, cols, approx_,
-                              to_dtype(h.dtype()), tf_parallel_for(ctx));
-    });
+    a.pre = mutable_ptr(pre);
+    a.out = mutable_ptr(y);
+    call_csrc(ctx, [&] { bias_gelu_forward(a, rc, exec_for<kGpu>(ctx)); });
   }
 };
 
@@ -108,39 +84,22 @@ class BiasGeluGradOp : public BiasGeluBase {
   using BiasGeluBase::BiasGeluBase;
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& dy = ctx->input(0);
     const Tensor& pre = ctx->input(1);
-    int64_t rows, cols;
-    if (!RowsCols(ctx, "linear_gelu_grad", pre, &rows, &cols)) return;
-    OP_REQUIRES(ctx, dy.shape() == pre.shape(),
-                absl::InvalidArgumentError("fusedlayers.linear_gelu_grad: dy must have pre's "
-                                           "shape " + shape_str(pre.shape()) + ", got " +
-                                           shape_str(dy.shape())));
-    Tensor *dpre, *dbias;
+    const Ref dyr(ctx->input(0)), prer(pre);
+    BiasGeluBackward a{*dyr, *prer, has_bias_, approx_};
+    RowsCols rc;
+    if (!call_csrc(ctx, [&] { rc = bias_gelu_backward_check("linear_gelu_grad", a); })) return;
+    Tensor *dpre, *dbias, workspace;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, pre.shape(), &dpre));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({has_bias_ ? cols : 0}), &dbias));
-    const DType dtype = to_dtype(pre.dtype());
-    call_csrc(ctx, [&] {
-      Tensor workspace;
-      if (has_bias_) {
-        size_t bytes;
-        if constexpr (kGpu)
-          bytes = bias_gelu_backward_workspace_size_cuda(rows, cols, dtype);
-        else
-          bytes = bias_gelu_backward_workspace_size_cpu(rows, cols, dtype);
-        OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
-                                               TensorShape({static_cast<int64_t>(bytes)}),
-                                               &workspace));
-      }
-      void* db = has_bias_ ? mutable_ptr(dbias) : nullptr;
-      void* ws = workspace.NumElements() ? mutable_ptr(&workspace) : nullptr;
-      if constexpr (kGpu)
-        bias_gelu_backward_cuda(ptr(dy), ptr(pre), mutable_ptr(dpre), db, ws, rows, cols, approx_,
-                                dtype, gpu_stream(ctx));
-      else
-        bias_gelu_backward_cpu(ptr(dy), ptr(pre), mutable_ptr(dpre), db, ws, rows, cols, approx_,
-                               dtype, tf_parallel_for(ctx));
-    });
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({has_bias_ ? rc.cols : 0}), &dbias));
+    const Exec exec = exec_for<kGpu>(ctx);
+    size_t bytes = 0;
+    if (!call_csrc(ctx, [&] { bytes = bias_gelu_backward_workspace_size(a, rc, exec); })) return;
+    a.workspace = allocate_workspace(ctx, bytes, &workspace);
+    if (!ctx->status().ok()) return;
+    a.grad_pre = mutable_ptr(dpre);
+    a.grad_bias = mutable_ptr(dbias);
+    call_csrc(ctx, [&] { bias_gelu_backward(a, rc, exec); });
   }
 };
 

@@ -2,9 +2,8 @@
 // parallel-for, the op's GPU stream for the csrc CUDA launchers, csrc errors turned into
 // InvalidArgumentError, raw pointers of TF tensors, and the CPU + GPU kernel registration.
 //
-// Each OpKernel is a template on `bool kGpu`, which picks the csrc entry point's Exec (or, for the
-// ops not yet on one, the *_cpu or *_cuda call); the GPU instantiations exist only with
-// GOOGLE_CUDA.
+// Each OpKernel is a template on `bool kGpu`, which picks the Exec it hands the csrc op entry
+// point; the GPU instantiations exist only with GOOGLE_CUDA.
 #pragma once
 
 #include <string>
@@ -90,7 +89,6 @@ class Ref {
   TensorRef ref_;
 };
 
-inline const void* ptr(const Tensor& t) { return t.tensor_data().data(); }
 inline void* mutable_ptr(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 
 // A workspace of `bytes` (none for 0) from TF's allocator; its pointer, or null.
@@ -104,8 +102,6 @@ inline void* allocate_workspace(OpKernelContext* ctx, size_t bytes, Tensor* t) {
   }
   return mutable_ptr(t);
 }
-
-inline std::string shape_str(const ::tensorflow::TensorShape& s) { return s.DebugString(); }
 
 }  // namespace tf_binding
 }  // namespace fusedlayers

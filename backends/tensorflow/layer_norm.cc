@@ -84,7 +84,7 @@ class LayerNormOp : public OpKernel {
     const Tensor& x = ctx->input(0);
     const Ref xr(x), gamma(ctx->input(1), has_gamma_), beta(ctx->input(2), has_beta_);
     LayerNormForward a{*xr, {}, *gamma, *beta, epsilon_, rms_scaling_};
-    NormRows rc;
+    RowsCols rc;
     if (!call_csrc(ctx, [&] {
           a.normalized_shape = trailing_dims("layer_norm", a.input, norm_ndims_);
           rc = layer_norm_forward_check(a);
@@ -127,7 +127,7 @@ class LayerNormGradOp : public OpKernel {
     const Ref g(gamma, has_gamma_), b(beta, has_beta_);
     LayerNormBackward a{*dy, *xr, *mean, *rstd, {}, *g, *b, false, rms_scaling_};
     const Exec exec = exec_for<kGpu>(ctx);
-    NormRows rc;
+    RowsCols rc;
     size_t bytes = 0;
     if (!call_csrc(ctx, [&] {
           a.normalized_shape = trailing_dims("layer_norm_backward", a.saved, norm_ndims_);

@@ -45,27 +45,21 @@ class ReluScaleOp : public OpKernel {
  public:
   explicit ReluScaleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("alpha", &alpha_));
-    OP_REQUIRES(ctx, std::isfinite(alpha_),
-                absl::InvalidArgumentError("fusedlayers.relu_scale: alpha must be finite, got " +
-                                           std::to_string(alpha_)));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
+    const Ref xr(x);
+    ReluScaleForward a{*xr, alpha_};
+    if (!call_csrc(ctx, [&] { relu_scale_forward_check(a); })) return;
     Tensor* y = nullptr;
     Tensor* mask = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             1, TensorShape({relu_scale_mask_words(x.NumElements())}), &mask));
-    uint32_t* mask_ptr = mask->flat<uint32_t>().data();
-    call_csrc(ctx, [&] {
-      if constexpr (kGpu)
-        relu_scale_forward_cuda(ptr(x), mutable_ptr(y), mask_ptr, x.NumElements(), alpha_,
-                                to_dtype(x.dtype()), gpu_stream(ctx));
-      else
-        relu_scale_forward_cpu(ptr(x), mutable_ptr(y), mask_ptr, x.NumElements(), alpha_,
-                               to_dtype(x.dtype()), tf_parallel_for(ctx));
-    });
+    a.out = mutable_ptr(y);
+    a.mask = mask->flat<uint32_t>().data();
+    call_csrc(ctx, [&] { relu_scale_forward(a, exec_for<kGpu>(ctx)); });
   }
 
  private:
@@ -82,23 +76,15 @@ class ReluScaleGradOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
     const Tensor& mask = ctx->input(1);
-    const TensorShape mask_shape({relu_scale_mask_words(dy.NumElements())});
-    OP_REQUIRES(ctx, mask.shape() == mask_shape,
-                absl::InvalidArgumentError(
-                    "fusedlayers.relu_scale_grad: mask must have shape " + shape_str(mask_shape) +
-                    " for dy of " + std::to_string(dy.NumElements()) + " elements, got " +
-                    shape_str(mask.shape())));
+    const Ref dyr(dy);
+    const auto mask_dims = mask.shape().dim_sizes();
+    ReluScaleBackward a{*dyr, mask.flat<uint32_t>().data(),
+                        {mask_dims.data(), static_cast<int64_t>(mask_dims.size())}, alpha_};
+    if (!call_csrc(ctx, [&] { relu_scale_backward_check(a); })) return;
     Tensor* dx = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, dy.shape(), &dx));
-    const uint32_t* mask_ptr = mask.flat<uint32_t>().data();
-    call_csrc(ctx, [&] {
-      if constexpr (kGpu)
-        relu_scale_backward_cuda(ptr(dy), mask_ptr, mutable_ptr(dx), dy.NumElements(), alpha_,
-                                 to_dtype(dy.dtype()), gpu_stream(ctx));
-      else
-        relu_scale_backward_cpu(ptr(dy), mask_ptr, mutable_ptr(dx), dy.NumElements(), alpha_,
-                                to_dtype(dy.dtype()), tf_parallel_for(ctx));
-    });
+    a.grad_input = mutable_ptr(dx);
+    call_csrc(ctx, [&] { relu_scale_backward(a, exec_for<kGpu>(ctx)); });
   }
 
  private:

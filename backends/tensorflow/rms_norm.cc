@@ -72,7 +72,7 @@ class RmsNormOp : public OpKernel {
     const Tensor& x = ctx->input(0);
     const Ref xr(x), w(ctx->input(1), has_weight_);
     RmsNormForward a{*xr, {}, *w, epsilon_, zero_centered_};
-    NormRows rc;
+    RowsCols rc;
     if (!call_csrc(ctx, [&] {
           a.normalized_shape = trailing_dims("rms_norm", a.input, norm_ndims_);
           rc = rms_norm_forward_check(a);
@@ -110,7 +110,7 @@ class RmsNormGradOp : public OpKernel {
     const Ref dy(ctx->input(0)), xr(x), rstd(ctx->input(2)), w(weight, has_weight_);
     RmsNormBackward a{*dy, *xr, *rstd, {}, *w, zero_centered_};
     const Exec exec = exec_for<kGpu>(ctx);
-    NormRows rc;
+    RowsCols rc;
     size_t bytes = 0;
     if (!call_csrc(ctx, [&] {
           a.normalized_shape = trailing_dims("rms_norm_backward", a.input, norm_ndims_);

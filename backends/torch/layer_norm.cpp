@@ -34,7 +34,7 @@ Tensor3 layer_norm_kernel(const at::Tensor& input, at::IntArrayRef normalized_sh
   const at::Tensor x = input.contiguous();
   const OptTensor w = contiguous(weight), b = contiguous(bias);
   LayerNormForward a{ref(x), sizes(normalized_shape), ref(w), ref(b), eps, rms_scaling};
-  const NormRows rc = call_csrc([&] { return layer_norm_forward_check(a); });
+  const RowsCols rc = call_csrc([&] { return layer_norm_forward_check(a); });
   at::Tensor y = at::empty(x.sizes(), x.options());
   const auto stat_shape = x.sizes().slice(0, x.dim() - normalized_shape.size());
   const auto stat_options =
@@ -66,7 +66,7 @@ Tensor3 layer_norm_backward_kernel(const at::Tensor& grad_out, const at::Tensor&
   check_floating(op, "rstd", rs);
   LayerNormBackward a{ref(dy), ref(s), ref(mu), ref(rs), sizes(normalized_shape),
                       ref(w), ref(b), memory_efficient, rms_scaling};
-  const NormRows rc = call_csrc([&] { return layer_norm_backward_check(a); });
+  const RowsCols rc = call_csrc([&] { return layer_norm_backward_check(a); });
   at::Tensor dx = at::empty(s.sizes(), s.options());
   at::Tensor dw = w ? at::empty(w->sizes(), w->options()) : at::empty({0}, s.options());
   at::Tensor db = b ? at::empty(b->sizes(), b->options()) : at::empty({0}, s.options());

@@ -1,54 +1,29 @@
-// PyTorch implementation of fusedlayers::linear_gelu{,_with_pre,_backward}.
-// CPU: the GEMMs are ATen's (at::mm); csrc adds the bias and applies GELU in one pass over the
-// GEMM's output (at::addmm would first fill the output with the broadcast bias, one more pass);
-// the backward's GELU gradient and dbias are one csrc pass, dgrad and wgrad are at::mm.
-// CUDA: csrc runs everything on cuBLASLt with ATen's handle and workspace (csrc/linear_gelu.h).
-// Also the schema, autograd and autocast (the autocast dtype on CPU and CUDA, as for linear).
+// fusedlayers::linear_gelu{,_with_pre,_backward} for PyTorch: schema, CPU/CUDA kernel (tensor
+// conversion around csrc/linear_gelu.h, which checks every argument), autograd and autocast (the
+// autocast dtype on CPU and CUDA, as for linear).
+// CPU: the GEMMs are ATen's (at::mm); csrc's bias_gelu op adds the bias and applies GELU in one
+// pass over the GEMM's output (at::addmm would first fill the output with the broadcast bias, one
+// more pass); the backward's GELU gradient and dbias are one csrc pass, dgrad and wgrad at::mm.
+// CUDA: csrc runs everything on cuBLASLt with ATen's handle and workspace.
 #include <ATen/autocast_mode.h>
 
 #include "backends/torch/autograd.h"
 #include "backends/torch/binding.h"
-#include "csrc/bias_gelu.h"
 #include "csrc/linear_gelu.h"
 
 namespace fusedlayers {
 namespace torch_binding {
 namespace {
 
-GeluApprox parse_approximate(const char* op, c10::string_view approximate) {
-  if (approximate == "none") return GeluApprox::kNone;
-  if (approximate == "tanh") return GeluApprox::kTanh;
-  TORCH_CHECK_VALUE(false, "fusedlayers.", op, ": approximate must be 'none' or 'tanh', got '",
-                    approximate, "'");
-}
-
-void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor& weight,
-                       const at::Tensor* bias) {
+// The types and devices csrc cannot see; every other rule is csrc's.
+void check_tensors(const char* op, const at::Tensor& input, const at::Tensor& weight,
+                   const OptTensor& bias) {
   check_floating(op, "input", input);
+  check_floating(op, "weight", weight);
   check_same_device(op, "weight", weight, "input", input);
-  TORCH_CHECK_TYPE(weight.scalar_type() == input.scalar_type(), "fusedlayers.", op,
-                   ": weight must have input's dtype ", input.scalar_type(), ", got ",
-                   weight.scalar_type());
-  TORCH_CHECK_VALUE(weight.dim() == 2, "fusedlayers.", op,
-                    ": weight must be 2-D (out_features, in_features), got shape ",
-                    weight.sizes());
-  TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) == weight.size(1), "fusedlayers.", op,
-                    ": the last dimension of input must equal in_features = weight.shape[1] = ",
-                    weight.size(1), ", got input of shape ", input.sizes());
   if (!bias) return;
+  check_floating(op, "bias", *bias);
   check_same_device(op, "bias", *bias, "input", input);
-  TORCH_CHECK_TYPE(bias->scalar_type() == input.scalar_type(), "fusedlayers.", op,
-                   ": bias must have input's dtype ", input.scalar_type(), ", got ",
-                   bias->scalar_type());
-  TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "fusedlayers.", op,
-                    ": bias must have shape (out_features,) = (", weight.size(0), ",), got ",
-                    bias->sizes());
-}
-
-// input viewed as (rows, in_features); explicit rows so in_features == 0 works too.
-at::Tensor as_2d(const at::Tensor& input) {
-  return input.reshape({c10::multiply_integers(input.sizes().slice(0, input.dim() - 1)),
-                        input.size(-1)});
 }
 
 std::vector<int64_t> out_shape(const at::Tensor& input, int64_t out_features) {
@@ -59,14 +34,17 @@ std::vector<int64_t> out_shape(const at::Tensor& input, int64_t out_features) {
 
 // The weight as stored: (out, in) as nn.Linear keeps it, or its transpose contiguous, (in, out)
 // as GPT-2's Conv1D and Keras' Dense keep it (passed as `weight.t()`): both are read in place.
-// Any other layout is copied once.
+// Any other layout is copied once. ref() gives csrc the (out, in) sizes and the storage.
 struct Weight {
   at::Tensor t;
   WeightLayout layout;
+  TensorRef ref() const {
+    return {t.data_ptr(), to_dtype(t.scalar_type()), sizes(t.sizes()), true};
+  }
 };
 
 Weight weight_storage(const at::Tensor& weight) {
-  if (weight.is_contiguous()) return {weight, WeightLayout::kOutIn};
+  if (weight.dim() != 2 || weight.is_contiguous()) return {weight.contiguous(), WeightLayout::kOutIn};
   if (weight.t().is_contiguous()) return {weight, WeightLayout::kInOut};
   return {weight.contiguous(), WeightLayout::kOutIn};
 }
@@ -87,108 +65,100 @@ LtContext lt_context() {
 
 // y, and pre when `with_pre` (the backward's input; else an undefined tensor, never written).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& input, const at::Tensor& weight,
-                                           const std::optional<at::Tensor>& bias,
-                                           c10::string_view approximate, bool with_pre) {
-  const GeluApprox approx = parse_approximate("linear_gelu", approximate);
-  check_linear_args("linear_gelu", input, weight, bias ? &*bias : nullptr);
-  const int64_t out_features = weight.size(0);
-  const auto shape = out_shape(input, out_features);
-  const at::Tensor x2d = as_2d(input);
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+                                           const OptTensor& bias, c10::string_view approximate,
+                                           bool with_pre) {
+  const char* op = "linear_gelu";
+  check_tensors(op, input, weight, bias);
+  const at::Tensor x = input.contiguous();
+  const Weight w = weight_storage(weight);
+  const OptTensor b = contiguous(bias);
+  LinearGeluForward a{ref(x), w.ref(), w.layout, ref(b)};
+  const GemmSizes s = call_csrc([&] {
+    a.approx = parse_gelu_approx(op, std::string(approximate));
+    return linear_gelu_forward_check(a);
+  });
+  const auto shape = out_shape(x, s.n);
+  const c10::OptionalDeviceGuard guard(x.device());  // kernels get no guard from the dispatcher
 #ifdef FUSEDLAYERS_WITH_CUDA
-  if (input.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(input.device());
-    const at::Tensor x = x2d.contiguous();
-    const Weight w = weight_storage(weight);
-    at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.is_cuda()) {
+    at::Tensor y = at::empty(shape, x.options());
     at::Tensor pre = with_pre ? at::empty_like(y) : at::Tensor();
-    call_csrc([&] {
-      linear_gelu_forward_cuda(x.data_ptr(), w.t.data_ptr(), w.layout,
-                               b.defined() ? b.data_ptr() : nullptr,
-                               with_pre ? pre.data_ptr() : nullptr, y.data_ptr(), x.size(0),
-                               out_features, x.size(1), approx, to_dtype(x.scalar_type()),
-                               lt_context());
-    });
-    return {y.view(shape), with_pre ? pre.view(shape) : pre};
+    a.out = y.data_ptr();
+    a.pre = with_pre ? pre.data_ptr() : nullptr;
+    call_csrc([&] { linear_gelu_forward_cuda(a, s, lt_context()); });
+    return {y, pre};
   }
 #endif
-  at::Tensor pre = at::mm(x2d, weight.t());
-  // Without a backward to feed, y overwrites the GEMM's output in place.
+  // The framework's GEMM, then the epilogue op over its output; without a backward to feed, y
+  // overwrites the GEMM's output in place.
+  at::Tensor pre = at::mm(x.view({s.m, s.k}), weight.t()).view(shape);
   at::Tensor y = with_pre ? at::empty_like(pre) : pre;
-  call_csrc([&] {
-    bias_gelu_forward_cpu(pre.data_ptr(), b.defined() ? b.data_ptr() : nullptr, pre.data_ptr(),
-                          y.data_ptr(), pre.size(0), out_features, approx,
-                          to_dtype(pre.scalar_type()), aten_parallel_for());
-  });
-  return {y.view(shape), with_pre ? pre.view(shape) : at::Tensor()};
+  const BiasGeluForward e{ref(pre), a.bias, a.approx, pre.data_ptr(), y.data_ptr()};
+  call_csrc([&] { bias_gelu_forward(e, {s.m, s.n}, exec_for(pre)); });
+  return {y, with_pre ? pre : at::Tensor()};
 }
 
 at::Tensor linear_gelu_op(const at::Tensor& input, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias, c10::string_view approximate) {
+                          const OptTensor& bias, c10::string_view approximate) {
   return std::get<0>(forward(input, weight, bias, approximate, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_gelu_with_pre_op(const at::Tensor& input,
                                                            const at::Tensor& weight,
-                                                           const std::optional<at::Tensor>& bias,
+                                                           const OptTensor& bias,
                                                            c10::string_view approximate) {
   return forward(input, weight, bias, approximate, true);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_backward_op(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& weight,
-    const at::Tensor& pre, bool has_bias, c10::string_view approximate) {
-  const GeluApprox approx = parse_approximate("linear_gelu_backward", approximate);
-  check_linear_args("linear_gelu_backward", input, weight, nullptr);
-  const auto shape = out_shape(input, weight.size(0));
-  TORCH_CHECK_VALUE(grad_out.sizes() == shape && pre.sizes() == shape &&
-                        grad_out.scalar_type() == input.scalar_type() &&
-                        pre.scalar_type() == input.scalar_type(),
-                    "fusedlayers.linear_gelu_backward: grad_out and pre must have shape ",
-                    at::IntArrayRef(shape), " and dtype ", input.scalar_type(), ", got ",
-                    grad_out.sizes(), " ", grad_out.scalar_type(), " and ", pre.sizes(), " ",
-                    pre.scalar_type());
-  const int64_t out_features = weight.size(0);
-  const int64_t dpre_rows = c10::multiply_integers(input.sizes().slice(0, input.dim() - 1));
-  const at::Tensor dy = grad_out.contiguous().view({dpre_rows, out_features});
-  const at::Tensor p = pre.contiguous().view({dpre_rows, out_features});
-  const at::Tensor x = as_2d(input).contiguous();
+Tensor3 linear_gelu_backward_op(const at::Tensor& grad_out, const at::Tensor& input,
+                                const at::Tensor& weight, const at::Tensor& pre, bool has_bias,
+                                c10::string_view approximate) {
+  const char* op = "linear_gelu_backward";
+  check_tensors(op, input, weight, std::nullopt);
+  for (const auto& [arg, t] : {std::pair{"grad_out", &grad_out}, std::pair{"pre", &pre}}) {
+    check_floating(op, arg, *t);
+    check_same_device(op, arg, *t, "input", input);
+  }
+  const at::Tensor dy = grad_out.contiguous(), p = pre.contiguous(), x = input.contiguous();
   const Weight w = weight_storage(weight);
-  at::Tensor dbias = at::empty({has_bias ? out_features : 0}, p.options());
+  LinearGeluBackward a{ref(dy), ref(x), w.ref(), ref(p), w.layout, has_bias};
+  const GemmSizes s = call_csrc([&] {
+    a.approx = parse_gelu_approx(op, std::string(approximate));
+    return linear_gelu_backward_check(a);
+  });
+  at::Tensor dbias = at::empty({has_bias ? s.n : 0}, p.options());
   at::Tensor grad_weight = empty_like_weight(w);
-  const DType dtype = to_dtype(p.scalar_type());
+  const c10::OptionalDeviceGuard guard(x.device());
 #ifdef FUSEDLAYERS_WITH_CUDA
-  if (p.is_cuda()) {
-    check_same_device("linear_gelu_backward", "grad_out", grad_out, "input", input);
-    const c10::cuda::CUDAGuard guard(p.device());
-    at::Tensor grad_input = at::empty(input.sizes(), x.options());
-    call_csrc([&] {
-      const at::Tensor ws = workspace(
-          linear_gelu_backward_workspace_size_cuda(dpre_rows, out_features, dtype), p);
-      linear_gelu_backward_cuda(dy.data_ptr(), x.data_ptr(), w.t.data_ptr(), w.layout,
-                                p.data_ptr(), grad_input.data_ptr(), grad_weight.data_ptr(),
-                                has_bias ? dbias.data_ptr() : nullptr, ws.data_ptr(), dpre_rows,
-                                out_features, weight.size(1), approx, dtype, lt_context());
-    });
+  if (x.is_cuda()) {
+    at::Tensor grad_input = at::empty(x.sizes(), x.options());
+    const at::Tensor ws =
+        workspace(linear_gelu_backward_workspace_size_cuda(s, a.input.dtype), p);
+    a.grad_input = grad_input.data_ptr();
+    a.grad_weight = grad_weight.data_ptr();
+    a.grad_bias = dbias.data_ptr();
+    a.workspace = ws.data_ptr();
+    call_csrc([&] { linear_gelu_backward_cuda(a, s, lt_context()); });
     return {grad_input, grad_weight, dbias};
   }
 #endif
-  at::Tensor dpre = at::empty_like(p);
-  at::Tensor ws;
-  call_csrc([&] {
-    if (has_bias)
-      ws = workspace(bias_gelu_backward_workspace_size_cpu(p.size(0), out_features, dtype), p);
-    bias_gelu_backward_cpu(dy.data_ptr(), p.data_ptr(), dpre.data_ptr(),
-                           has_bias ? dbias.data_ptr() : nullptr,
-                           ws.defined() ? ws.data_ptr() : nullptr, p.size(0), out_features,
-                           approx, dtype, aten_parallel_for());
-  });
-  at::Tensor grad_input = at::mm(dpre, w.t).view(input.sizes());  // dgrad
+  // The epilogue op's backward, then the framework's dgrad and wgrad GEMMs.
+  at::Tensor dpre = at::empty({s.m, s.n}, p.options());
+  BiasGeluBackward e{ref(dy), ref(p), has_bias, a.approx, dpre.data_ptr(), dbias.data_ptr()};
+  const Exec exec = exec_for(p);
+  const RowsCols rc{s.m, s.n};
+  const at::Tensor ws = workspace(call_csrc([&] {
+    return bias_gelu_backward_workspace_size(e, rc, exec);
+  }), p);
+  e.workspace = ws.data_ptr();
+  call_csrc([&] { bias_gelu_backward(e, rc, exec); });
+  at::Tensor grad_input = at::mm(dpre, w.t).view(x.sizes());  // dgrad
+  const at::Tensor x2d = x.view({s.m, s.k});
   if (w.layout == WeightLayout::kInOut) {
     at::Tensor storage = grad_weight.t();  // (in, out), contiguous
-    at::mm_out(storage, x.t(), dpre);       // wgrad, written in the weight's layout
+    at::mm_out(storage, x2d.t(), dpre);     // wgrad, written in the weight's layout
   } else {
-    at::mm_out(grad_weight, dpre.t(), x);  // wgrad
+    at::mm_out(grad_weight, dpre.t(), x2d);  // wgrad
   }
   return {grad_input, grad_weight, dbias};
 }

@@ -1,6 +1,6 @@
-// fusedlayers::relu_scale{,_with_mask,_backward} for PyTorch: schema, CPU/CUDA kernels (checks,
-// allocation, csrc call) and autograd. No autocast kernel: the autocast keys fall through, so
-// relu_scale runs in its input's dtype, as relu does.
+// fusedlayers::relu_scale{,_with_mask,_backward} for PyTorch: schema, CPU/CUDA kernel (tensor
+// conversion around csrc/relu_scale.h, which checks the arguments) and autograd. No autocast
+// kernel: the autocast keys fall through, so relu_scale runs in its input's dtype, as relu does.
 #include "backends/torch/autograd.h"
 #include "backends/torch/binding.h"
 #include "csrc/relu_scale.h"
@@ -12,30 +12,18 @@ namespace {
 // y, and the packed mask when save_mask (else an undefined tensor).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, double alpha, bool save_mask) {
   check_floating("relu_scale", "x", x);
-  check_finite("relu_scale", "alpha", alpha);
   const at::Tensor xc = x.contiguous();
+  ReluScaleForward a{ref(xc), alpha};
+  call_csrc([&] { relu_scale_forward_check(a); });
   at::Tensor y = at::empty_like(xc);
   at::Tensor mask;
-  uint32_t* mask_ptr = nullptr;
   if (save_mask) {
     mask = at::empty({relu_scale_mask_words(xc.numel())}, xc.options().dtype(at::kInt));
-    mask_ptr = reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
+    a.mask = reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
   }
-  const DType dtype = to_dtype(xc.scalar_type());
-#ifdef FUSEDLAYERS_WITH_CUDA
-  if (xc.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(xc.device());
-    call_csrc([&] {
-      relu_scale_forward_cuda(xc.data_ptr(), y.data_ptr(), mask_ptr, xc.numel(), alpha, dtype,
-                              current_stream());
-    });
-    return {y, mask};
-  }
-#endif
-  call_csrc([&] {
-    relu_scale_forward_cpu(xc.data_ptr(), y.data_ptr(), mask_ptr, xc.numel(), alpha, dtype,
-                           aten_parallel_for());
-  });
+  a.out = y.data_ptr();
+  const c10::OptionalDeviceGuard guard(xc.device());  // kernels get no guard from the dispatcher
+  call_csrc([&] { relu_scale_forward(a, exec_for(xc)); });
   return {y, mask};
 }
 
@@ -49,33 +37,19 @@ std::tuple<at::Tensor, at::Tensor> relu_scale_with_mask_op(const at::Tensor& x, 
 
 at::Tensor relu_scale_backward_op(const at::Tensor& grad_out, const at::Tensor& mask,
                                    double alpha) {
-  check_floating("relu_scale_backward", "grad_out", grad_out);
-  check_finite("relu_scale_backward", "alpha", alpha);
-  const int64_t words = relu_scale_mask_words(grad_out.numel());
-  TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == words && mask.scalar_type() == at::kInt,
-                    "fusedlayers.relu_scale_backward: mask must be int32 of shape [", words,
-                    "] for grad_out of ", grad_out.numel(), " elements, got ", mask.scalar_type(),
-                    " of shape ", mask.sizes());
-  check_same_device("relu_scale_backward", "mask", mask, "grad_out", grad_out);
-  const at::Tensor dyc = grad_out.contiguous();
-  const at::Tensor mc = mask.contiguous();
-  const auto* mask_ptr = reinterpret_cast<const uint32_t*>(mc.data_ptr<int32_t>());
-  at::Tensor dx = at::empty_like(dyc);
-  const DType dtype = to_dtype(dyc.scalar_type());
-#ifdef FUSEDLAYERS_WITH_CUDA
-  if (dyc.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(dyc.device());
-    call_csrc([&] {
-      relu_scale_backward_cuda(dyc.data_ptr(), mask_ptr, dx.data_ptr(), dyc.numel(), alpha,
-                               dtype, current_stream());
-    });
-    return dx;
-  }
-#endif
-  call_csrc([&] {
-    relu_scale_backward_cpu(dyc.data_ptr(), mask_ptr, dx.data_ptr(), dyc.numel(), alpha, dtype,
-                            aten_parallel_for());
-  });
+  const char* op = "relu_scale_backward";
+  check_floating(op, "grad_out", grad_out);
+  TORCH_CHECK_TYPE(mask.scalar_type() == at::kInt, "fusedlayers.", op,
+                   ": mask must be int32 (packed bits), got ", mask.scalar_type());
+  check_same_device(op, "mask", mask, "grad_out", grad_out);
+  const at::Tensor dy = grad_out.contiguous(), m = mask.contiguous();
+  ReluScaleBackward a{ref(dy), reinterpret_cast<const uint32_t*>(m.data_ptr<int32_t>()),
+                      sizes(m.sizes()), alpha};
+  call_csrc([&] { relu_scale_backward_check(a); });
+  at::Tensor dx = at::empty_like(dy);
+  a.grad_input = dx.data_ptr();
+  const c10::OptionalDeviceGuard guard(dy.device());
+  call_csrc([&] { relu_scale_backward(a, exec_for(dy)); });
   return dx;
 }
 

@@ -25,7 +25,7 @@ Tensor2 rms_norm_kernel(const at::Tensor& input, at::IntArrayRef normalized_shap
   const at::Tensor x = input.contiguous();
   const OptTensor w = contiguous(weight);
   RmsNormForward a{ref(x), sizes(normalized_shape), ref(w), eps, zero_centered};
-  const NormRows rc = call_csrc([&] { return rms_norm_forward_check(a); });
+  const RowsCols rc = call_csrc([&] { return rms_norm_forward_check(a); });
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor rstd =
       at::empty(x.sizes().slice(0, x.dim() - normalized_shape.size()),
@@ -53,7 +53,7 @@ Tensor2 rms_norm_backward_kernel(const at::Tensor& grad_out, const at::Tensor& i
   const at::Tensor dy = grad_out.contiguous(), x = input.contiguous(), rs = rstd.contiguous();
   const OptTensor w = contiguous(weight);
   RmsNormBackward a{ref(dy), ref(x), ref(rs), sizes(normalized_shape), ref(w), zero_centered};
-  const NormRows rc = call_csrc([&] { return rms_norm_backward_check(a); });
+  const RowsCols rc = call_csrc([&] { return rms_norm_backward_check(a); });
   at::Tensor dx = at::empty(x.sizes(), x.options());
   at::Tensor dw = w ? at::empty(w->sizes(), w->options()) : at::empty({0}, x.options());
   const c10::OptionalDeviceGuard guard(x.device());  // kernels get no guard from the dispatcher
