@@ -1,0 +1,250 @@
+// csrc with no framework: the CPU kernels of every op behind their entry points, driven from plain
+// C++ with a std::thread parallel-for, against float64 references written here. Built and run by
+// tests/test_csrc.py (so by CI): `csrc_test <seed>` exits 0 when every check holds.
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "csrc/bias_gelu.h"
+#include "csrc/layer_norm.h"
+#include "csrc/linear_gelu.h"
+#include "csrc/relu_scale.h"
+#include "csrc/rms_norm.h"
+
+using namespace fusedlayers;
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    std::printf("FAIL %s\n", what.c_str());
+    ++failures;
+  }
+}
+
+// max |got - want| / (atol + rtol |want|) <= 1
+template <typename T>
+void expect_close(const std::vector<T>& got, const std::vector<double>& want, double atol,
+                  double rtol, const std::string& what) {
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    worst = std::max(worst, std::abs(double(got[i]) - want[i]) / (atol + rtol * std::abs(want[i])));
+  expect(worst <= 1, what + ": error " + std::to_string(worst) + " x tolerance");
+}
+
+// Splits [0, n) into `threads` contiguous ranges, each on its own std::thread.
+Exec threads_exec(int threads) {
+  return Exec::cpu([threads](int64_t n, int64_t grain, const RangeFn& fn) {
+    const int64_t step = std::max<int64_t>(grain, (n + threads - 1) / threads);
+    std::vector<std::thread> pool;
+    for (int64_t b = 0; b < n; b += step) pool.emplace_back(fn, b, std::min(n, b + step));
+    for (auto& t : pool) t.join();
+  });
+}
+
+template <typename Fn>
+void expect_error(Fn&& fn, const std::string& needle, const std::string& what) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    expect(std::string(e.what()).find(needle) != std::string::npos,
+           what + ": message '" + e.what() + "' lacks '" + needle + "'");
+    return;
+  }
+  expect(false, what + ": no Error thrown");
+}
+
+// A view of v with sizes `shape` (which must outlive it, as a binding's sizes do).
+TensorRef ref(std::vector<float>& v, const std::vector<int64_t>& shape) {
+  return {v.data(), DType::kFloat32, {shape.data(), int64_t(shape.size())}, true};
+}
+
+std::vector<float> randn(std::mt19937_64& rng, size_t n) {
+  std::normal_distribution<float> d;
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+void relu_scale_test(std::mt19937_64& rng) {
+  const int64_t n = 1001;
+  const std::vector<int64_t> shape{7, 143};
+  std::vector<float> x = randn(rng, n), y(n), dy = randn(rng, n), dx(n);
+  x[3] = 0.0f;
+  x[5] = NAN;
+  std::vector<uint32_t> mask(relu_scale_mask_words(n));
+  const double alpha = 1.7;
+  ReluScaleForward f{ref(x, shape), alpha, y.data(), mask.data()};
+  relu_scale_forward_check(f);
+  relu_scale_forward(f, threads_exec(3));
+  const std::vector<int64_t> mshape{int64_t(mask.size())};
+  ReluScaleBackward b{ref(dy, shape), mask.data(), {mshape.data(), 1}, alpha, dx.data()};
+  relu_scale_backward_check(b);
+  relu_scale_backward(b, threads_exec(3));
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = float(alpha);
+    const float want = std::isnan(x[i]) ? NAN : std::max(x[i], 0.0f) * a;  // relu(x) * alpha
+    ok &= std::isnan(want) ? std::isnan(y[i]) : y[i] == want;
+    ok &= dx[i] == (x[i] <= 0.0f ? 0.0f : dy[i] * a);
+  }
+  expect(ok, "relu_scale forward and backward equal relu(x) * alpha and its gradient");
+  expect_error([&] { relu_scale_forward_check({ref(x, shape), NAN}); }, "alpha must be finite",
+               "relu_scale NaN alpha");
+  const std::vector<int64_t> short_mask{int64_t(mask.size()) - 1};
+  b.mask_sizes = {short_mask.data(), 1};
+  expect_error([&] { relu_scale_backward_check(b); }, "mask must have shape [32]",
+               "relu_scale short mask");
+}
+
+// LayerNorm and RMSNorm forward and backward against float64, and dweight bitwise equal for one
+// and four threads.
+void norm_test(std::mt19937_64& rng, bool rms) {
+  const int64_t rows = 37, cols = 1000;
+  const std::vector<int64_t> shape{rows, cols}, nshape{cols}, sshape{rows};
+  std::vector<float> x = randn(rng, rows * cols), w = randn(rng, cols), bias = randn(rng, cols);
+  std::vector<float> dy = randn(rng, rows * cols), y(rows * cols), mean(rows), rstd(rows);
+  const double eps = 1e-5;
+  const Sizes ns{nshape.data(), 1};
+  RowsCols rc;
+  if (rms) {
+    RmsNormForward f{ref(x, shape), ns, ref(w, nshape), eps, false, y.data(), rstd.data()};
+    rc = rms_norm_forward_check(f);
+    rms_norm_forward(f, rc, threads_exec(2));
+  } else {
+    LayerNormForward f{ref(x, shape), ns, ref(w, nshape), ref(bias, nshape), eps, false};
+    f.out = y.data();
+    f.mean = mean.data();
+    f.rstd = rstd.data();
+    rc = layer_norm_forward_check(f);
+    layer_norm_forward(f, rc, threads_exec(2));
+  }
+  std::vector<double> y_ref(rows * cols), dx_ref(rows * cols), dw_ref(cols, 0), db_ref(cols, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = &x[r * cols];
+    double mu = 0, var = 0;
+    if (!rms) {
+      for (int64_t j = 0; j < cols; ++j) mu += xr[j];
+      mu /= cols;
+    }
+    for (int64_t j = 0; j < cols; ++j) var += (xr[j] - mu) * (xr[j] - mu);
+    const double rs = 1 / std::sqrt(var / cols + eps);
+    double mg = 0, mgx = 0;
+    for (int64_t j = 0; j < cols; ++j) {
+      const double xhat = (xr[j] - mu) * rs, g = dy[r * cols + j] * double(w[j]);
+      y_ref[r * cols + j] = xhat * w[j] + (rms ? 0 : bias[j]);
+      mg += g / cols;
+      mgx += g * xhat / cols;
+      dw_ref[j] += dy[r * cols + j] * xhat;
+      db_ref[j] += dy[r * cols + j];
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      const double xhat = (xr[j] - mu) * rs, g = dy[r * cols + j] * double(w[j]);
+      dx_ref[r * cols + j] = rs * (g - (rms ? 0 : mg) - xhat * mgx);
+    }
+  }
+  const std::string name = rms ? "rms_norm" : "layer_norm";
+  expect_close(y, y_ref, 1e-5, 1e-5, name + " forward");
+  std::vector<float> dw_once;
+  for (int threads : {1, 4}) {
+    std::vector<float> dx(rows * cols), dw(cols), db(cols);
+    const Exec exec = threads_exec(threads);
+    size_t bytes;
+    std::vector<char> ws;
+    if (rms) {
+      RmsNormBackward b{ref(dy, shape), ref(x, shape), ref(rstd, sshape), ns, ref(w, nshape)};
+      b.grad_input = dx.data();
+      b.grad_weight = dw.data();
+      rms_norm_backward_check(b);
+      bytes = rms_norm_backward_workspace_size(b, rc, exec);
+      ws.resize(bytes);
+      b.workspace = ws.data();
+      rms_norm_backward(b, rc, exec);
+    } else {
+      LayerNormBackward b{ref(dy, shape), ref(x, shape), ref(mean, sshape), ref(rstd, sshape),
+                          ns, ref(w, nshape), ref(bias, nshape)};
+      b.grad_input = dx.data();
+      b.grad_weight = dw.data();
+      b.grad_bias = db.data();
+      layer_norm_backward_check(b);
+      bytes = layer_norm_backward_workspace_size(b, rc, exec);
+      ws.resize(bytes);
+      b.workspace = ws.data();
+      layer_norm_backward(b, rc, exec);
+      expect_close(db, db_ref, 1e-4, 1e-5, name + " dbias");
+    }
+    expect_close(dx, dx_ref, 1e-5, 1e-4, name + " dx");
+    expect_close(dw, dw_ref, 1e-4, 1e-5, name + " dweight");
+    if (dw_once.empty())
+      dw_once = dw;
+    else
+      expect(dw == dw_once, name + " dweight is the same bits for 1 and 4 threads");
+  }
+  const std::vector<int64_t> wrong{cols + 1};
+  expect_error([&] { layer_norm_forward_check({ref(x, shape), {wrong.data(), 1}}); },
+               "must equal normalized_shape [1001], got input of shape [37, 1000]",
+               name + " wrong normalized_shape");
+}
+
+double gelu_ref(double u) { return 0.5 * u * (1 + std::erf(u / std::sqrt(2.0))); }
+double gelu_grad_ref(double u) {
+  return 0.5 * (1 + std::erf(u / std::sqrt(2.0))) + u * std::exp(-0.5 * u * u) / std::sqrt(2 * M_PI);
+}
+
+void bias_gelu_test(std::mt19937_64& rng) {
+  const int64_t rows = 33, cols = 65;
+  const std::vector<int64_t> shape{rows, cols}, bshape{cols};
+  std::vector<float> h = randn(rng, rows * cols), bias = randn(rng, cols), dy = randn(rng, rows * cols);
+  for (auto& v : h) v *= 4;  // reach both tails
+  std::vector<float> pre(rows * cols), y(rows * cols), dpre(rows * cols), dbias(cols);
+  const Exec exec = threads_exec(2);
+  BiasGeluForward f{ref(h, shape), ref(bias, bshape), GeluApprox::kNone, pre.data(), y.data()};
+  const RowsCols rc = bias_gelu_forward_check("linear_gelu", f);
+  bias_gelu_forward(f, rc, exec);
+  std::vector<double> y_ref(rows * cols), dpre_ref(rows * cols), db_ref(cols, 0);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const double u = pre[i];  // the rounded pre-activation, as the unfused layer
+    y_ref[i] = gelu_ref(u);
+    dpre_ref[i] = dy[i] * gelu_grad_ref(u);
+    db_ref[i % cols] += dpre_ref[i];
+  }
+  expect_close(y, y_ref, 1e-6, 2e-6, "bias_gelu forward (erf)");
+  BiasGeluBackward b{ref(dy, shape), ref(pre, shape), true, GeluApprox::kNone, dpre.data(),
+                     dbias.data()};
+  bias_gelu_backward_check("linear_gelu_backward", b);
+  std::vector<char> ws(bias_gelu_backward_workspace_size(b, rc, exec));
+  b.workspace = ws.data();
+  bias_gelu_backward(b, rc, exec);
+  expect_close(dpre, dpre_ref, 1e-6, 2e-6, "bias_gelu dpre");
+  expect_close(dbias, db_ref, 1e-5, 1e-5, "bias_gelu dbias");
+  expect_error([] { parse_gelu_approx("linear_gelu", "erf"); },
+               "approximate must be 'none' or 'tanh', got 'erf'", "bad approximate");
+  const std::vector<int64_t> w1{cols};
+  expect_error([&] { linear_gelu_forward_check({ref(h, shape), ref(bias, w1)}); },
+               "weight must be 2-D (out_features, in_features), got shape [65]",
+               "linear_gelu 1-D weight");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const unsigned long long seed = argc > 1 ? std::stoull(argv[1]) : 0;
+  std::mt19937_64 rng(seed);
+  relu_scale_test(rng);
+  norm_test(rng, false);
+  norm_test(rng, true);
+  bias_gelu_test(rng);
+#ifndef FUSEDLAYERS_WITH_CUDA
+  std::vector<float> x(4), y(4);
+  const std::vector<int64_t> shape{4};
+  expect_error([&] { relu_scale_forward({ref(x, shape), 1.0, y.data()}, Exec::gpu(nullptr)); },
+               "built without CUDA kernels", "a CUDA Exec in a CPU-only build");
+#endif
+  std::printf("%s (seed %llu)\n", failures ? "FAILED" : "all passed", seed);
+  return failures ? 1 : 0;
+}

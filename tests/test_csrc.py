@@ -1,0 +1,26 @@
+"""csrc stands alone: tests/csrc_test.cpp, plain C++ with no framework, compiled with csrc's CPU
+sources by the system C++ compiler and run with this test's seed."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fusedlayers import _sources
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_csrc_cpu_kernels_standalone(tmp_path, seed):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / "csrc_test"
+    sources = [ROOT / "tests/csrc_test.cpp", *sorted(ROOT.glob("csrc/*.cpp"))]
+    subprocess.run([cxx, "-std=c++17", "-pthread", "-Wall", *_sources.CXX_FLAGS,
+                    f"-I{ROOT}", *map(str, sources), "-o", str(exe)], check=True)
+    run = subprocess.run([str(exe), str(seed)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "all passed" in run.stdout
