@@ -12,10 +12,10 @@ def _torch_info() -> bool:
         print("torch: not installed")
         return True
     import torch
-    from fusedlayers.torch import ops
+    from fusedlayers.torch import _op
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
-    if ops._LOAD_ERROR is not None:
-        print(f"  extension: not usable: {ops._LOAD_ERROR}")
+    if _op.LOAD_ERROR is not None:
+        print(f"  extension: not usable: {_op.LOAD_ERROR}")
         return False
     kernels = [key for key in ("CPU", "CUDA")
                if torch._C._dispatch_has_kernel_for_dispatch_key("fusedlayers::layer_norm", key)]
@@ -33,10 +33,10 @@ def _tensorflow_info() -> bool:
         print("tensorflow: not installed")
         return True
     import tensorflow as tf
-    from fusedlayers.tensorflow import ops
+    from fusedlayers.tensorflow import _op
     print(f"tensorflow {tf.__version__}")
-    if ops._LOAD_ERROR is not None:
-        print(f"  op library: not usable: {ops._LOAD_ERROR}")
+    if _op.LOAD_ERROR is not None:
+        print(f"  op library: not usable: {_op.LOAD_ERROR}")
         return False
     print("  op library: loaded; kernels for CPU")
     return True

@@ -1,12 +1,20 @@
 """Where the compiled parts come from: the source files and flags of the PyTorch extension and
 of the TensorFlow op library, shared by setup.py and the just-in-time builds so the two can never
-disagree. Imports no framework."""
+disagree; the command that builds them and the error raised when one is missing. Imports no
+framework."""
 
 import os
 import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BUILD_COMMAND = "pip install --no-build-isolation -e ."
+
+
+class NotBuiltError(RuntimeError):
+    """A fusedlayers library (the PyTorch extension or the TensorFlow op library) is missing,
+    fails to build (FUSEDLAYERS_JIT=1) or does not load; the message says which and how to build
+    it."""
 
 # -fvisibility=hidden keeps csrc's symbols private to each library that compiles it in.
 # -fno-trapping-math / -fno-math-errno change no result (no FP traps are enabled and errno is

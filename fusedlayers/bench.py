@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from .torch import ops
-from .torch.rms_norm import rms_norm
+from . import torch as fused
 
 
 @dataclass
@@ -130,29 +129,29 @@ def _cases(device: torch.device, quick: bool):
     for rows, cols in ew_shapes:
         def relu_case(dtype, rows=rows, cols=cols):
             x = rand(rows, cols, dtype=dtype)
-            return (lambda: ops.relu_scale(x, 0.5), lambda: reference.relu_scale(x, 0.5), [x],
+            return (lambda: fused.relu_scale(x, 0.5), lambda: reference.relu_scale(x, 0.5), [x],
                     x.numel() * x.element_size(), {})
         yield "relu_scale", f"{rows}x{cols}", relu_case
     for rows, cols in ln_shapes:
         def ln_case(dtype, rows=rows, cols=cols):
             x, w, b = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
-            return (lambda: ops.layer_norm(x, cols, w, b), lambda: reference.layer_norm(x, cols, w, b),
+            return (lambda: fused.layer_norm(x, cols, w, b), lambda: reference.layer_norm(x, cols, w, b),
                     [x, w, b], x.numel() * x.element_size(), {})
         yield "layer_norm", f"{rows}x{cols}", ln_case
     for rows, cols in ln_shapes:
         def rms_case(dtype, rows=rows, cols=cols):
             x, w = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
-            return (lambda: rms_norm(x, cols, w, 1e-6), lambda: F.rms_norm(x, (cols,), w, 1e-6),
+            return (lambda: fused.rms_norm(x, cols, w, 1e-6), lambda: F.rms_norm(x, (cols,), w, 1e-6),
                     [x, w], x.numel() * x.element_size(), {})
         yield "rms_norm", f"{rows}x{cols}", rms_case
     for m, k, n in lin_shapes:
         def lin_case(dtype, m=m, k=k, n=n):
             x, w, b = rand(m, k, dtype=dtype), rand(n, k, dtype=dtype), rand(n, dtype=dtype)
             # The tanh form: ours, and PyTorch's own cuBLASLt GELU_BIAS epilogue (CUDA only).
-            extra = {"fused-tanh": lambda: ops.linear_gelu(x, w, b, "tanh")}
+            extra = {"fused-tanh": lambda: fused.linear_gelu(x, w, b, "tanh")}
             if cuda:
                 extra["addmm-act"] = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
-            return (lambda: ops.linear_gelu(x, w, b), lambda: reference.linear_gelu(x, w, b),
+            return (lambda: fused.linear_gelu(x, w, b), lambda: reference.linear_gelu(x, w, b),
                     [x, w, b], 2 * m * n * k, extra)
         yield "linear_gelu", f"({m}x{k})x({k}x{n})", lin_case
 

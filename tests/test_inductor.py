@@ -12,7 +12,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import fusedlayers.torch as flt
-from fusedlayers.torch import inductor, ops
+from fusedlayers.torch import inductor, layer_norm_trailing
 
 fl = torch.ops.fusedlayers
 
@@ -144,7 +144,7 @@ class RMSScaling(nn.Module):
         self.gamma = nn.Parameter(torch.rand(width) + 0.5)
 
     def forward(self, x):
-        return ops.layer_norm_trailing(x, 1, self.gamma, None, rms_scaling=True)
+        return layer_norm_trailing(x, 1, self.gamma, None, rms_scaling=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

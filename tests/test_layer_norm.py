@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedlayers
-from fusedlayers.torch import ops
+import fusedlayers.torch as ops
 from _helpers import (DEVICES, HALF, as_layout, assert_bitwise, assert_calibrated, f64, grads,
                       leaf_shape, rel_err)
 

@@ -131,8 +131,8 @@ def test_matches_unfused_float64(approximate):
 
 
 def test_dense_gelu_takes_a_keras_kernel():
-    # fusedlayers.torch.ops.dense_gelu: the Keras Dense layout, kernel (in, out).
-    from fusedlayers.torch import ops
+    # fusedlayers.torch.dense_gelu: the Keras Dense layout, kernel (in, out).
+    import fusedlayers.torch as ops
     x = torch.randn(6, 5, dtype=torch.float64)
     kernel, b = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
     assert rel_err(ops.dense_gelu(x, kernel, b, "tanh"),

@@ -76,20 +76,22 @@ MISSING_EXTENSION_CHECK = """
     import fusedlayers, sys
     assert fusedlayers.__file__.startswith({root!r}), fusedlayers.__file__  # the copy
     import fusedlayers.torch                       # must not raise
-    from fusedlayers.torch import ExtensionNotBuiltError, FusedReLUScale, LayerNorm
+    from fusedlayers.torch import FusedReLUScale, LayerNorm, NotBuiltError
+    assert NotBuiltError is fusedlayers.NotBuiltError  # one type for both frameworks
     import torch
     for call in (lambda: fusedlayers.relu_scale(torch.ones(2), 1.0),
+                 lambda: fusedlayers.rms_norm(torch.ones(2, 3), 3),
                  lambda: fusedlayers.layer_norm(torch.ones(2, 3), 3),
                  lambda: fusedlayers.linear_gelu(torch.ones(2, 3), torch.ones(4, 3)),
                  lambda: LayerNorm(3)(torch.ones(2, 3)),
                  lambda: FusedReLUScale(2.0)(torch.ones(2))):
         try:
             call()
-        except ExtensionNotBuiltError as e:
+        except NotBuiltError as e:
             assert isinstance(e, RuntimeError)
             print("MESSAGE", e)
         else:
-            raise AssertionError("no ExtensionNotBuiltError")
+            raise AssertionError("no NotBuiltError")
 """
 
 
@@ -98,7 +100,7 @@ def test_missing_extension_says_how_to_build(tmp_path):
     out = run_python(MISSING_EXTENSION_CHECK.format(root=str(root)), cwd=root,
                      env_extra={"PYTHONPATH": str(root)}, isolate=True)
     messages = [line for line in out.splitlines() if line.startswith("MESSAGE")]
-    assert len(messages) == 5
+    assert len(messages) == 6
     for m in messages:
         assert "not built" in m and BUILD_COMMAND in m and "FUSEDLAYERS_JIT=1" in m, m
 
@@ -110,7 +112,7 @@ def test_unloadable_extension_says_how_to_rebuild(tmp_path):
     out = run_python(MISSING_EXTENSION_CHECK.format(root=str(root)), cwd=root,
                      env_extra={"PYTHONPATH": str(root)}, isolate=True)
     messages = [line for line in out.splitlines() if line.startswith("MESSAGE")]
-    assert len(messages) == 5
+    assert len(messages) == 6
     for m in messages:
         assert "does not load" in m and f"Rebuild it with `{BUILD_COMMAND}`" in m, m
 
@@ -121,7 +123,7 @@ def test_jit_without_sources_says_so(tmp_path):
     out = run_python(MISSING_EXTENSION_CHECK.format(root=str(root)), cwd=root,
                      env_extra={"PYTHONPATH": str(root), "FUSEDLAYERS_JIT": "1"}, isolate=True)
     messages = [line for line in out.splitlines() if line.startswith("MESSAGE")]
-    assert len(messages) == 5 and all("needs the source checkout" in m for m in messages)
+    assert len(messages) == 6 and all("needs the source checkout" in m for m in messages)
 
 
 def test_jit_sources_have_distinct_object_names():
@@ -150,7 +152,7 @@ def test_cpu_kernels_use_torchs_openmp_pool():
     assert any(s.split("@")[0] == "GOMP_parallel" for s in undefined), \
         f"{library} has no OpenMP parallel region"
     out = run_python("""
-        import torch, fusedlayers.torch.ops
+        import torch, fusedlayers.torch
         print(sorted({line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line}))
     """)
     assert len(eval(out)) == 1, f"more than one OpenMP runtime loaded: {out}"
@@ -165,8 +167,8 @@ def test_jit_build_matches_reference(tmp_path):
         assert fusedlayers.__file__.startswith({str(root)!r})
         import fusedlayers.torch
         from fusedlayers import reference
-        from fusedlayers.torch import ops
-        assert ops._LOAD_ERROR is None, ops._LOAD_ERROR
+        from fusedlayers.torch import _op
+        assert _op.LOAD_ERROR is None, _op.LOAD_ERROR
         maps = open("/proc/self/maps").read()
         assert "fusedlayers_torch" in maps and "fusedlayers/_C" not in maps  # JIT, not _C
         x = torch.randn(33, 100, dtype=torch.float64, requires_grad=True)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import fusedlayers as fl  # noqa: E402
 from fusedlayers.tensorflow import layer_norm_trailing as tf_trailing  # noqa: E402
-from fusedlayers.torch.ops import layer_norm_trailing as torch_trailing  # noqa: E402
+from fusedlayers.torch import layer_norm_trailing as torch_trailing  # noqa: E402
 
 from _tf_utils import rel_err, rng, tf_grads  # noqa: E402,F401
 

@@ -119,7 +119,7 @@ def test_relu_scale_forward_backward(rng, dtype, shape):
 def test_relu_scale_mask_output(rng, dtype, n):
     """The op's second output, saved for the gradient: the packed bits of (x > 0 or NaN) in
     csrc/relu_scale.h's layout, with its length known to shape inference."""
-    from fusedlayers.tensorflow.ops import _lib
+    from fusedlayers.tensorflow._op import lib as _lib
     vals = rng.normal(n)
     vals[: n // 3] = rng.gen.choice([np.nan, 0.0, -0.0, -np.inf], n // 3)
     x, _ = const(vals, dtype)
@@ -166,7 +166,7 @@ def test_relu_scale_nonfinite_forward_half(rng, dtype):
 def test_relu_scale_nonfinite_gradient(rng):
     """The gradient of relu(x) * alpha matches TF's (alpha * dy where x > 0, else 0) except at
     NaN x, where the shared csrc kernel follows torch's convention (dy * alpha: NaN is not
-    <= 0), documented in fusedlayers.tensorflow.ops.relu_scale; tf.nn.relu gives 0 there."""
+    <= 0), documented in fusedlayers.tensorflow.relu_scale; tf.nn.relu gives 0 there."""
     vals = np.concatenate([[np.nan, np.inf, -np.inf, 0.0, -0.0], rng.normal(11)])
     x = tf.constant(vals, tf.float32)
     dy = tf.constant(rng.normal(16), tf.float32)

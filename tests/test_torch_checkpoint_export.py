@@ -48,7 +48,7 @@ def fused_stack(**kwargs) -> Stack:
 @pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
 def test_activation_checkpointing_gives_the_same_gradients(mode):
     # Non-reentrant checkpointing recomputes the forward from inside the backward Nodes, when
-    # they unpack what they saved: that must still record autograd (backends/torch/autograd.cpp).
+    # they unpack what they saved: that must still record autograd (backends/torch/autograd.h).
     plain = fused_stack()
     ckpt = fused_stack(checkpointed=mode)
     ckpt.load_state_dict(plain.state_dict())

@@ -1,5 +1,5 @@
 // TensorFlow ops FusedlayersBiasGelu / FusedlayersBiasGeluGrad on the csrc bias+GELU epilogue.
-// The GEMM before it is TF's own matmul (fusedlayers/tensorflow/ops.py).
+// The GEMM before it is TF's own matmul (fusedlayers/tensorflow/linear_gelu.py).
 #include "backends/tensorflow/binding.h"
 #include "csrc/bias_gelu.h"
 #include "tensorflow/core/framework/op.h"

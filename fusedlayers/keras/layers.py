@@ -1,17 +1,27 @@
 """Keras 3 layers for the fused ops, drop-in for the layers they replace: same constructor
 arguments, defaults, weight names and shapes, config and serialisation. The same layer runs on
 the TensorFlow op library under the TensorFlow backend and on the torch extension under
-KERAS_BACKEND=torch: the backend is picked from the tensor the layer receives."""
+KERAS_BACKEND=torch: the layers call the public functions of the fusedlayers package of Keras'
+backend."""
+
+import importlib
 
 import keras
 from keras import constraints, initializers, ops, regularizers
 
-import fusedlayers
 from fusedlayers import _args
 
+_FRAMEWORKS = {"tensorflow": "fusedlayers.tensorflow", "torch": "fusedlayers.torch"}
 
-def _fused(x, op: str):
-    return fusedlayers._backend(x, op)
+
+def framework(layer: str):
+    """The fusedlayers package (fusedlayers.tensorflow or fusedlayers.torch) of Keras' backend;
+    TypeError naming `layer` on another backend."""
+    backend = keras.backend.backend()
+    if backend not in _FRAMEWORKS:
+        raise TypeError(f"fusedlayers.keras.{layer}: Keras' {backend!r} backend has no fusedlayers "
+                        f"kernels; use KERAS_BACKEND=tensorflow or torch")
+    return importlib.import_module(_FRAMEWORKS[backend])
 
 
 def on_trailing_axes(inputs, axis, norm):
@@ -47,7 +57,7 @@ class FusedReLUScale(_FusedLayer):
         self.alpha = _args.real("FusedReLUScale", "alpha", alpha)
 
     def call(self, inputs):
-        return _fused(inputs, "relu_scale").relu_scale(inputs, self.alpha)
+        return framework("FusedReLUScale").relu_scale(inputs, self.alpha)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -96,7 +106,7 @@ class FusedLinearGELU(_FusedLayer):
     def call(self, inputs):
         kernel = ops.cast(self.kernel, self.compute_dtype)
         bias = ops.cast(self.bias, self.compute_dtype) if self.bias is not None else None
-        return _fused(inputs, "linear_gelu").dense_gelu(
+        return framework("FusedLinearGELU").dense_gelu(
             inputs, kernel, bias, "tanh" if self.approximate else "none")
 
     def compute_output_shape(self, input_shape):
@@ -169,7 +179,7 @@ class LayerNorm(_FusedLayer):
             # [-1, 1]); Keras reshapes (not transposes) them onto the normalized dims: so do we.
             gamma = ops.reshape(gamma, norm_shape) if gamma is not None else None
             beta = ops.reshape(beta, norm_shape) if beta is not None else None
-            return _fused(x, "layer_norm").layer_norm_trailing(
+            return framework("LayerNorm").layer_norm_trailing(
                 x, len(norm_shape), gamma, beta, self.epsilon, rms_scaling=self.rms_scaling)
 
         return ops.cast(on_trailing_axes(inputs, self.axis, norm), self.compute_dtype)

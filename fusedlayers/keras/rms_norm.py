@@ -4,10 +4,9 @@ weight (`scale`, ones, of the normalized dims), config; on the TensorFlow or the
 import keras
 from keras import ops
 
-import fusedlayers
 from fusedlayers import _args
 
-from .layers import on_trailing_axes
+from .layers import framework, on_trailing_axes
 
 
 @keras.saving.register_keras_serializable(package="fusedlayers")
@@ -35,8 +34,8 @@ class RMSNorm(keras.layers.Layer):
     def call(self, inputs):
         def norm(x, norm_shape, param_dtype):
             scale = ops.reshape(ops.cast(self.scale, param_dtype), norm_shape)
-            return fusedlayers.rms_norm(x, norm_shape, scale, self.epsilon,
-                                        zero_centered=self.zero_centered)
+            return framework("RMSNorm").rms_norm(x, norm_shape, scale, self.epsilon,
+                                                 zero_centered=self.zero_centered)
 
         return ops.cast(on_trailing_axes(inputs, self.axis, norm), self.compute_dtype)
 

@@ -18,13 +18,9 @@ import tempfile
 from pathlib import Path
 
 from .. import _sources
+from .._sources import BUILD_COMMAND, NotBuiltError
 
-BUILD_COMMAND = "pip install --no-build-isolation -e ."
 LIBRARY = Path(__file__).resolve().parent.parent / "_tf_ops.so"
-
-
-class OpLibraryNotBuiltError(RuntimeError):
-    """The fusedlayers TensorFlow op library is missing or cannot be loaded."""
 
 
 def cuda_build(env=os.environ) -> tuple[bool, str]:
@@ -52,7 +48,7 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
     if cuda:
         cuda_home = _sources.find_cuda_home()
         if cuda_home is None:
-            raise OpLibraryNotBuiltError("fusedlayers: CUDA requested but no toolkit found; "
+            raise NotBuiltError("fusedlayers: CUDA requested but no toolkit found; "
                                          "set CUDA_HOME")
         cflags += ["-DGOOGLE_CUDA=1", _sources.CUDA_DEFINE]
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
@@ -65,7 +61,7 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
                    "-Wl,--exclude-libs,ALL"]
     sources = _sources.tensorflow_sources(cuda=cuda)
     if not sources:
-        raise OpLibraryNotBuiltError(f"fusedlayers: no TensorFlow sources under {_sources.ROOT}")
+        raise NotBuiltError(f"fusedlayers: no TensorFlow sources under {_sources.ROOT}")
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         objects = [Path(tmp) / f"{i}_{src.stem}.o" for i, src in enumerate(sources)]
@@ -75,7 +71,7 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
                 print(" ".join(cmd))
             done = subprocess.run(cmd, capture_output=not verbose, text=True)
             if done.returncode != 0:  # TF's headers warn a lot: show the output only on failure
-                raise OpLibraryNotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n"
+                raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n"
                                              f"{done.stderr or ''}")
 
         def compile_one(pair):
@@ -109,26 +105,26 @@ def _jit_library() -> Path:
 
 
 def load():
-    """The loaded op library module (tf.load_op_library), or raises OpLibraryNotBuiltError."""
+    """The loaded op library module (tf.load_op_library), or raises NotBuiltError."""
     import tensorflow as tf
 
     if os.environ.get("FUSEDLAYERS_JIT") == "1":
         try:
             path = _jit_library()
-        except (OSError, OpLibraryNotBuiltError) as e:
-            raise OpLibraryNotBuiltError(
+        except (OSError, NotBuiltError) as e:
+            raise NotBuiltError(
                 f"fusedlayers: the just-in-time TensorFlow build (FUSEDLAYERS_JIT=1) failed: {e}"
             ) from e
     else:
         path = LIBRARY
         if not path.exists():
-            raise OpLibraryNotBuiltError(
+            raise NotBuiltError(
                 f"fusedlayers: the TensorFlow op library is not built ({path} is missing). "
                 f"Build it with `{BUILD_COMMAND}` with tensorflow installed, or set "
                 f"FUSEDLAYERS_JIT=1 to compile it on first use.")
     try:
         return tf.load_op_library(str(path))
     except tf.errors.NotFoundError as e:
-        raise OpLibraryNotBuiltError(
+        raise NotBuiltError(
             f"fusedlayers: the TensorFlow op library {path} does not load with TensorFlow "
             f"{tf.__version__} ({e.message}). Rebuild it with `{BUILD_COMMAND}`.") from e

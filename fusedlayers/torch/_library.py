@@ -1,6 +1,6 @@
 """Loads the compiled PyTorch extension `fusedlayers._C` into torch.ops, or, when
 FUSEDLAYERS_JIT=1, compiles the same sources with torch.utils.cpp_extension.load (ninja, cached
-under TORCH_EXTENSIONS_DIR) for kernel work without reinstalling."""
+under TORCH_EXTENSIONS_DIR) for kernel work without reinstalling. Failures raise NotBuiltError."""
 
 import importlib.util
 import os
@@ -8,12 +8,7 @@ import os
 import torch
 
 from .. import _sources
-
-BUILD_COMMAND = "pip install --no-build-isolation -e ."
-
-
-class ExtensionNotBuiltError(RuntimeError):
-    """The fusedlayers PyTorch extension is missing or cannot be loaded."""
+from .._sources import BUILD_COMMAND, NotBuiltError
 
 
 def _jit_build() -> None:
@@ -22,7 +17,7 @@ def _jit_build() -> None:
     cuda, _ = _sources.use_cuda("torch", torch.version.cuda, cpp_extension.CUDA_HOME, os.environ)
     sources = _sources.torch_sources(cuda=cuda)
     if not sources:
-        raise ExtensionNotBuiltError(
+        raise NotBuiltError(
             f"fusedlayers: FUSEDLAYERS_JIT=1 needs the source checkout, but no sources were found "
             f"under {_sources.ROOT}")
     openmp = _sources.torch_openmp_flags(torch.backends.openmp.is_available())
@@ -39,22 +34,23 @@ def _jit_build() -> None:
     )
 
 
-def load() -> str | None:
-    """Registers the fusedlayers:: operators with torch. Returns None, or why it could not."""
+def load() -> None:
+    """Registers the fusedlayers:: operators with torch, or raises NotBuiltError saying why not."""
     if os.environ.get("FUSEDLAYERS_JIT") == "1":
         try:
             _jit_build()
-        except Exception as e:  # a compiler error must reach the user, not crash the import
-            return f"fusedlayers: the just-in-time build (FUSEDLAYERS_JIT=1) failed: {e}"
-        return None
+        except Exception as e:  # a compiler error must reach the user as this error
+            raise NotBuiltError(
+                f"fusedlayers: the just-in-time build (FUSEDLAYERS_JIT=1) failed: {e}") from e
+        return
     spec = importlib.util.find_spec("fusedlayers._C")
     if spec is None or spec.origin is None:
-        return (f"fusedlayers: the PyTorch extension is not built. Build it with "
-                f"`{BUILD_COMMAND}` in the fusedlayers checkout, or set FUSEDLAYERS_JIT=1 to "
-                f"compile it on first use.")
+        raise NotBuiltError(
+            f"fusedlayers: the PyTorch extension is not built. Build it with `{BUILD_COMMAND}` "
+            f"in the fusedlayers checkout, or set FUSEDLAYERS_JIT=1 to compile it on first use.")
     try:
         torch.ops.load_library(spec.origin)
     except OSError as e:
-        return (f"fusedlayers: the PyTorch extension at {spec.origin} does not load with torch "
-                f"{torch.__version__} ({e}). Rebuild it with `{BUILD_COMMAND}`.")
-    return None
+        raise NotBuiltError(
+            f"fusedlayers: the PyTorch extension at {spec.origin} does not load with torch "
+            f"{torch.__version__} ({e}). Rebuild it with `{BUILD_COMMAND}`.") from e

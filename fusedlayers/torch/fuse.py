@@ -28,7 +28,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..fuse_report import FuseReport
-from .layers import FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm
+from .layer_norm import LayerNorm
+from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
+from .relu_scale import FusedReLUScale
 from .rms_norm import RMSNorm
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from .ops import _stat_dtype
+from ._op import stat_dtype
 
 _TABLE_MODULE = "torch._inductor.decomposition"
 aten = torch.ops.aten
@@ -54,7 +54,7 @@ def _layer_norm(x, normalized_shape, weight, bias, eps, memory_efficient=False,
     # The math of csrc/norm.h: statistics and output in float32 (float64 for float64),
     # returned in the leading shape; rms_scaling=True scales x itself (Keras' rms_scaling).
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
-    xf = x.to(_stat_dtype(x))
+    xf = x.to(stat_dtype(x))
     var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
     rstd = torch.rsqrt(var + eps)
     out = (xf if rms_scaling else xf - mean) * rstd
@@ -73,7 +73,7 @@ def _layer_norm_backward(grad_out, saved, mean, rstd, normalized_shape, weight, 
     dims = list(range(saved.dim() - len(normalized_shape), saved.dim()))
     lead_dims = list(range(dims[0]))
     keep = (*mean.shape, *([1] * len(dims)))
-    acc = _stat_dtype(saved)
+    acc = stat_dtype(saved)
     dy, s, rstd = grad_out.to(acc), saved.to(acc), rstd.reshape(keep)
     g = dy if weight is None else dy * weight
     if memory_efficient:  # saved is the output: x_hat = (y - beta) / gamma

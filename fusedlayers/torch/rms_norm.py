@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from .. import _args
-from . import ops
+from . import _op
 
-rms_norm_op = torch.ops.fusedlayers.rms_norm.default if ops._LOAD_ERROR is None else ops._missing
+rms_norm_op = _op.handle("rms_norm")
 
 
 def _eps(eps: float | None, x: torch.Tensor) -> float:
@@ -85,20 +85,15 @@ class RMSNorm(nn.Module):
                 + (", zero_centered=True" if self.zero_centered else ""))
 
 
-def _register_fakes() -> None:
-    @torch.library.register_fake("fusedlayers::rms_norm")
-    def _(x, normalized_shape, weight, eps, zero_centered=False):
-        ops._check_devices("rms_norm", "input", x, weight=weight)
-        return (x.new_empty(x.shape),
-                x.new_empty(x.shape[:x.dim() - len(normalized_shape)],
-                            dtype=ops._stat_dtype(x)))
-
-    @torch.library.register_fake("fusedlayers::rms_norm_backward")
-    def _(grad_out, x, rstd, normalized_shape, weight, zero_centered=False):
-        ops._check_devices("rms_norm_backward", "input", x, grad_out=grad_out, weight=weight)
-        return (x.new_empty(x.shape),
-                x.new_empty(0) if weight is None else weight.new_empty(weight.shape))
+@_op.register_fake("rms_norm")
+def _(x, normalized_shape, weight, eps, zero_centered=False):
+    _op.check_devices("rms_norm", "input", x, weight=weight)
+    return (x.new_empty(x.shape),
+            x.new_empty(x.shape[:x.dim() - len(normalized_shape)], dtype=_op.stat_dtype(x)))
 
 
-if ops._LOAD_ERROR is None:
-    _register_fakes()
+@_op.register_fake("rms_norm_backward")
+def _(grad_out, x, rstd, normalized_shape, weight, zero_centered=False):
+    _op.check_devices("rms_norm_backward", "input", x, grad_out=grad_out, weight=weight)
+    return (x.new_empty(x.shape),
+            x.new_empty(0) if weight is None else weight.new_empty(weight.shape))

@@ -1,32 +1,36 @@
-"""torch.nn modules for the fused ops, drop-in for the unfused layers they replace: same
-constructor arguments, defaults, parameters, initialisation and state_dict keys. Each forward is
-one call of the operator (autograd and autocast are decided in C++), so a module costs no more
-host time than the op itself."""
-
-from collections.abc import Sequence
+"""Linear + GELU on torch tensors: `fusedlayers::linear_gelu` (backends/torch/linear_gelu.cpp:
+schema, kernels, autograd, autocast), its fake kernels, the functional API and the modules
+`FusedLinearGELU` (nn.Linear's layout) and `FusedConv1DGELU` (GPT-2's Conv1D layout). The math:
+csrc/linear_gelu.h. Under torch.autocast it runs in the autocast dtype, as
+`torch.nn.functional.linear`; float64 stays float64."""
 
 import torch
 from torch import nn
 
-from .. import _args
-from . import ops
+from . import _op
+
+linear_gelu_op = _op.handle("linear_gelu")
 
 
-class FusedReLUScale(nn.Module):
-    """y = max(x, 0) * alpha in one pass; replaces `torch.relu(x) * alpha`.
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                approximate: str = "none") -> torch.Tensor:
+    """y = gelu(x @ weight^T + bias), replacing `F.gelu(F.linear(x, weight, bias), approximate)`.
 
-    Input: any shape, float32/float64/float16/bfloat16; output: same shape and dtype.
+    x: (..., in_features); weight: (out_features, in_features), contiguous or the transpose of a
+    contiguous (in_features, out_features) tensor (GPT-2's Conv1D weight `w` is passed as
+    `w.t()`; neither is copied); bias: (out_features,) or None; all one floating dtype on one
+    device. approximate: 'none' (erf) or 'tanh'. Returns (..., out_features). Raises ValueError
+    on shape/device/approximate mismatches and TypeError on dtype mismatches. GELU: Hendrycks &
+    Gimpel 2016, arXiv:1606.08415.
     """
+    return linear_gelu_op(x, weight, bias, approximate)
 
-    def __init__(self, alpha: float = 1.0):
-        super().__init__()
-        self.alpha = _args.real("FusedReLUScale", "alpha", alpha)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.relu_scale_op(x, self.alpha)
-
-    def extra_repr(self) -> str:
-        return f"alpha={self.alpha}"
+def dense_gelu(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None = None,
+               approximate: str = "none") -> torch.Tensor:
+    """gelu(x @ kernel + bias) with a Keras Dense kernel (in_features, out_features), read in
+    place."""
+    return linear_gelu_op(x, kernel.t(), bias, approximate)
 
 
 class FusedLinearGELU(nn.Module):
@@ -66,7 +70,7 @@ class FusedLinearGELU(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_gelu_op(x, self.weight, self.bias, self.approximate)
+        return linear_gelu_op(x, self.weight, self.bias, self.approximate)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -103,59 +107,28 @@ class FusedConv1DGELU(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_gelu_op(x, self.weight.t(), self.bias, self.approximate)
+        return linear_gelu_op(x, self.weight.t(), self.bias, self.approximate)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, approximate={self.approximate!r}"
 
 
-class LayerNorm(nn.Module):
-    """Layer normalization over the trailing `normalized_shape` dims; replaces nn.LayerNorm
-    with the same arguments, parameters (weight = gamma, bias = beta) and state_dict keys.
+@_op.register_fake("linear_gelu")
+def _(x, weight, bias, approximate):
+    _op.check_devices("linear_gelu", "input", x, weight=weight, bias=bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
-    memory_efficient=True saves the output instead of the input for backward (Apex's
-    FusedLayerNorm option); it then requires weight without zeros. Statistics in float32.
-    """
+@_op.register_fake("linear_gelu_with_pre")
+def _(x, weight, bias, approximate):
+    _op.check_devices("linear_gelu", "input", x, weight=weight, bias=bias)
+    shape = (*x.shape[:-1], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
 
-    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5,
-                 elementwise_affine: bool = True, bias: bool = True,
-                 memory_efficient: bool = False, device=None, dtype=None):
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.normalized_shape = tuple(int(d) for d in _args.normalized_shape("LayerNorm",
-                                                                             normalized_shape))
-        self.eps = _args.real("LayerNorm", "eps", eps)
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            if bias:
-                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    reset_parameters = nn.LayerNorm.reset_parameters  # ones / zeros, as nn.LayerNorm
-
-    @classmethod
-    def from_layer_norm(cls, layer_norm: nn.LayerNorm, memory_efficient: bool = False
-                        ) -> "LayerNorm":
-        """A LayerNorm sharing the Parameters of `layer_norm` (an nn.LayerNorm), copying
-        nothing."""
-        fused = cls(layer_norm.normalized_shape, eps=layer_norm.eps, elementwise_affine=False,
-                    memory_efficient=memory_efficient)
-        fused.elementwise_affine = layer_norm.elementwise_affine
-        fused.weight, fused.bias = layer_norm.weight, layer_norm.bias
-        return fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.layer_norm_op(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                                 self.memory_efficient)[0]
-
-    def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}, "
-                f"memory_efficient={self.memory_efficient}")
+@_op.register_fake("linear_gelu_backward")
+def _(grad_out, x, weight, pre, has_bias, approximate):
+    _op.check_devices("linear_gelu_backward", "input", x, grad_out=grad_out, weight=weight)
+    # grad_weight in weight's layout: (in, out) storage when weight is such a transpose.
+    in_out = not weight.is_contiguous() and weight.t().is_contiguous()
+    grad_weight = (weight.new_empty(weight.shape[::-1]).t() if in_out
+                   else weight.new_empty(weight.shape))
+    return (x.new_empty(x.shape), grad_weight, x.new_empty(weight.shape[0] if has_bias else 0))
