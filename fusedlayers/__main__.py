@@ -1,8 +1,10 @@
 """`python -m fusedlayers info` reports which backends (torch extension, TensorFlow op library)
-are built and usable, for which devices, and why not; `python -m fusedlayers bench` times fused against unfused ops (fusedlayers.bench)."""
+are built and usable, for which devices, and why not; `python -m fusedlayers bench` times fused
+against unfused ops (fusedlayers.bench)."""
 
 import argparse
 import importlib.util
+import os
 import platform
 import sys
 
@@ -73,6 +75,9 @@ def bench(argv: list[str]) -> int:
     model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
     model.add_argument("--rounds", type=int, default=5, help="A/B rounds")
     model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
+    model.add_argument("--distributed", action="store_true",
+                       help="under torchrun: both models in DistributedDataParallel, one GPU per "
+                            "process (NCCL; gloo on the CPU); --batch is per process")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
         "for a 12-block MLP stack and the --model models (fusedlayers.memory_bench)")
@@ -89,6 +94,9 @@ def bench(argv: list[str]) -> int:
     if args.memory:
         return _bench_memory(args, device, name)
     if args.model:
+        if args.distributed and "LOCAL_RANK" not in os.environ:
+            parser.error("--distributed: launch with torchrun, e.g. `torchrun --nproc-per-node 2 "
+                         "-m fusedlayers bench --model bert-base --distributed`")
         return _bench_model(args, device, name)
     from fusedlayers import bench as b
     rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
@@ -102,15 +110,28 @@ def bench(argv: list[str]) -> int:
 
 
 def _bench_model(args, device: str, name: str) -> int:
+    import torch
+    import torch.distributed as dist
     from fusedlayers import model_bench as mb
-    print(f"device: {name}\n{mb.HEADER}")
+    first = True
+    if args.distributed:
+        if device.startswith("cuda"):
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        first = dist.get_rank() == 0
+        name += f" x {dist.get_world_size()} processes, DDP (batch per process)"
+    say = (lambda line: print(line, flush=True)) if first else (lambda line: None)
+    say(f"device: {name}\n{mb.HEADER}")
     rows = mb.run(args.model, device,
                   tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
                   tuple(args.precision.split(",")), tuple(args.modes.split(",")),
-                  args.rounds, args.steps, tiny=args.tiny, log=lambda line: print(line, flush=True))
-    if args.json:
+                  args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed)
+    if args.distributed:
+        dist.destroy_process_group()
+    if first and args.json:
         mb.write_json(args.json, rows, name)
-    if args.plot:
+    if first and args.plot:
         mb.plot(args.plot, rows, name)
     return 0
 

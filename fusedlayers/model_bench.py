@@ -15,6 +15,12 @@ all rounds is reported. GPU-busy time is the sum of kernel times per step from t
 counted with the other GEMMs). Peak memory is torch.cuda.max_memory_allocated over one step.
 The first forward of the fused model, in eval() on the same input, is compared with the unfused
 one: ||fused - unfused|| / ||unfused||.
+
+With `distributed` (under torchrun, `bench --model NAME --distributed`) both models train under
+DistributedDataParallel over NCCL, one process per GPU, each on `batch` samples (the global batch
+is batch x processes); the first process reports its times. Wall times include the gradient
+all-reduce; GPU-busy time leaves NCCL's kernels out, as they spend most of their time waiting for
+the other process while the compute runs beside them.
 """
 
 import copy
@@ -59,7 +65,8 @@ def build(name: str, tiny: bool, seed: int = 0):
     seq = 32 if tiny else SEQ
     torch.manual_seed(seed)
     if name == "bert-base":
-        model = transformers.BertModel(transformers.BertConfig(**small))
+        # No pooler: the loss never reads it, and DDP requires every parameter to get a grad.
+        model = transformers.BertModel(transformers.BertConfig(**small), add_pooling_layer=False)
         vocab = model.config.vocab_size
 
         def inputs(batch, device, dtype):
@@ -92,9 +99,12 @@ def _sync(device):
 class _Variant:
     """One model with its optimizer and a training step (eager or compiled)."""
 
-    def __init__(self, model, device, precision: str, mode: str):
+    def __init__(self, model, device, precision: str, mode: str, distributed: bool = False):
         self.model, self.device, self.precision = model, device, precision
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        if distributed:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None)
         self.forward = torch.compile(model) if mode == "compile" else model
 
     def step(self, inputs) -> None:
@@ -113,7 +123,7 @@ class _Variant:
         return (time.perf_counter() - t0) * 1e3
 
     def gpu_ms(self, inputs, steps: int = 3) -> tuple[float, float] | tuple[None, None]:
-        """(all kernels, fusedlayers' kernels) in ms of GPU time per step."""
+        """(all kernels but NCCL's, fusedlayers' kernels) in ms of GPU time per step."""
         if self.device.type != "cuda":
             return None, None
         # Kineto leaves CUPTI's callbacks installed after a session unless told to tear it down,
@@ -127,7 +137,8 @@ class _Variant:
             for _ in range(steps):
                 self.step(inputs)
             _sync(self.device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and "nccl" not in e.name.lower()]
         total = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps
         ours = sum(e.time_range.elapsed_us() for e in kernels
                    if "fusedlayers" in e.name) / 1e3 / steps
@@ -156,8 +167,9 @@ def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
 
 def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "bf16"),
         modes=("eager", "compile"), rounds: int = 5, steps: int = 4, warmup: int = 3,
-        tiny: bool = False, log=print) -> list[ModelRow]:
-    """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case."""
+        tiny: bool = False, log=print, distributed: bool = False) -> list[ModelRow]:
+    """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
+    `distributed`: under an initialized torch.distributed process group, each model in DDP."""
     from .torch import fuse
     unknown = set(precisions) - {"autocast", "bf16", "fp32"} | set(modes) - {"eager", "compile"}
     if unknown:
@@ -180,8 +192,8 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
                 unfused, fused = copy.deepcopy(base), fuse(copy.deepcopy(base))
                 diff = _first_forward_diff(unfused, fused, inputs, precision, dev)
                 torch._dynamo.reset()  # each compiled case starts from an empty cache
-                variants = {"unfused": _Variant(unfused, dev, precision, mode),
-                            "fused": _Variant(fused, dev, precision, mode)}
+                variants = {"unfused": _Variant(unfused, dev, precision, mode, distributed),
+                            "fused": _Variant(fused, dev, precision, mode, distributed)}
                 t_start = time.perf_counter()
                 for v in variants.values():
                     for _ in range(warmup):  # compiles, autotunes, fills caches

@@ -2,6 +2,7 @@
 the memory bench's byte counts."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -70,6 +71,29 @@ def test_cli_model_bench_writes_json_and_plot(tmp_path):
     data = json.loads(out.read_text())
     assert [(r["model"], r["batch"]) for r in data["rows"]] == [("gpt2", 2)]
     assert png.stat().st_size > 0
+
+
+def test_cli_model_bench_under_ddp(tmp_path):
+    """`--distributed` under torchrun (two processes, gloo on the CPU): both models train in DDP
+    and the first process alone writes the rows."""
+    out = tmp_path / "model.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "fusedlayers", "bench", "--device", "cpu", "--model", "bert-base", "--tiny",
+         "--distributed", "--batch", "2", "--precision", "fp32", "--modes", "eager", "--rounds",
+         "1", "--steps", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert "x 2 processes, DDP" in data["device"]
+    assert [(r["model"], r["batch"]) for r in data["rows"]] == [("bert-base", 2)]
+    assert result.stdout.count("bert-base ") == 1  # one row, printed by the first process
+
+
+def test_cli_model_bench_distributed_needs_torchrun():
+    result = subprocess.run([sys.executable, "-m", "fusedlayers", "bench", "--model", "gpt2",
+                             "--distributed"], capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
+    assert result.returncode == 2 and "launch with torchrun" in result.stderr
 
 
 @pytest.mark.parametrize("variant", mem.VARIANTS)

@@ -3,6 +3,8 @@
 References are computed by torch in float32 (float64 for the fp32 cases' gradients) from the same
 inputs; fp16/bf16 tolerances are calibrated against torch's own half-precision result."""
 
+import contextlib
+import copy
 import math
 
 import pytest
@@ -278,12 +280,71 @@ def test_non_default_stream():
     assert all(rel_err(a, c) < 1e-5 for a, c in zip(g, gr))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_second_device():
-    x = torch.randn(256, 1000, device="cuda:1", requires_grad=True)
-    w = torch.randn(1000, device="cuda:1", requires_grad=True)
-    y = fl.layer_norm(x, 1000, w)
-    assert y.device == x.device and rel_err(y, F.layer_norm(x, (1000,), w)) < 1e-6
+def _every_layer():
+    """Every layer (so every op, forward and backward) as (name, module built on the CPU)."""
+    from fusedlayers.torch import FusedLinearGELU, FusedReLUScale, LayerNorm, RMSNorm
+    return [("FusedReLUScale", FusedReLUScale(0.5)),
+            ("FusedLinearGELU erf", FusedLinearGELU(96, 80)),
+            ("FusedLinearGELU tanh", FusedLinearGELU(96, 80, approximate="tanh")),
+            ("LayerNorm", LayerNorm(96)),
+            ("LayerNorm memory_efficient, no bias", LayerNorm(96, bias=False,
+                                                              memory_efficient=True)),
+            ("RMSNorm", RMSNorm(96))]
+
+
+def _train_step(module, x, dy):
+    """Forward and backward on x's device; x is produced on that device's current stream behind a
+    ~1 ms sleep, so a kernel launched on any other stream reads it unfinished."""
+    with torch.cuda.device(x.device):
+        torch.cuda._sleep(1_000_000)
+    x = (x * 1).requires_grad_()
+    y = module(x)
+    grads = torch.autograd.grad(y, [x, *module.parameters()], dy)
+    return [t.detach() for t in (y, *grads)]
+
+
+@contextlib.contextmanager
+def _streams(stream, current_device: int):
+    """`stream` current on its device while `current_device` is the current device
+    (torch.cuda.stream would also make the stream's device current)."""
+    torch.cuda.set_stream(stream)
+    torch.cuda.set_device(current_device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(torch.cuda.default_stream(stream.device))
+        torch.cuda.set_device(0)
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_second_device_same_bits_its_stream_nothing_on_the_first(dtype):
+    """On cuda:1 while cuda:0 is current, and while cuda:1 is: every layer gives the bits it
+    gives on cuda:0, runs on cuda:1's current stream (a side stream here) and allocates nothing
+    on cuda:0, not even transiently (its peak allocation stays put)."""
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(67, 96, generator=gen).to(dtype)
+    for name, layer in _every_layer():
+        dy = torch.randn(67, 80 if "Linear" in name else 96, generator=gen).to(dtype)
+        on1 = copy.deepcopy(layer).to("cuda:1", dtype)
+        want = [t.cpu() for t in _train_step(layer.to("cuda:0", dtype), x.cuda(0), dy.cuda(0))]
+        for current in (0, 1):
+            torch.cuda.synchronize(0)
+            torch.cuda.reset_peak_memory_stats(0)
+            before = torch.cuda.memory_allocated(0)
+            side = torch.cuda.Stream(device="cuda:1")
+            with _streams(side, current):
+                got = _train_step(on1, x.to("cuda:1"), dy.to("cuda:1"))
+                side.synchronize()
+            for a, b in zip(got, want):
+                assert a.device == torch.device("cuda:1"), name
+                assert_bitwise(a.cpu(), b)
+            assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0) == before, (
+                f"{name}, current device {current}: allocated on cuda:0")
 
 
 def test_opcheck_cuda():

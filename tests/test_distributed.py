@@ -1,8 +1,10 @@
 """The examples under the frameworks' own distributed engines: `examples/train_torch.py
---distributed ddp|fsdp` on two processes (torchrun, gloo on the CPU) and `examples/train_keras.py
---distributed` (tf.distribute.MirroredStrategy over two logical CPU devices) pass the examples'
-own checks (fused against unfused), and their losses equal a single-process run on the same
-global batches up to summation order."""
+--distributed ddp|fsdp` on two processes (torchrun: gloo on the CPU, NCCL on two GPUs) and
+`examples/train_keras.py --distributed` (tf.distribute.MirroredStrategy over two logical CPU
+devices) pass the examples' own checks (fused against unfused), and their losses equal a
+single-process run on the same global batches up to summation order: on the CPU to 1e-5 with the
+same accuracies; on GPUs, whose GEMMs pick other kernels (other rounding) for the halved
+per-process batch, to the example's own bars (1e-5 in the first epoch, LOSS_RTOL after)."""
 
 import json
 import os
@@ -11,11 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 EPOCHS = 8  # enough for the example's 90% accuracy bar
 RTOL = 1e-5  # the example's first-epoch bound: the same function up to float32 rounding
+GPU_LATER_RTOL = 1e-3  # the example's LOSS_RTOL
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]
 
 
 def train(tmp_path: Path, name: str, launcher: list[str], example: str, extra=()) -> dict:
@@ -30,27 +37,37 @@ def train(tmp_path: Path, name: str, launcher: list[str], example: str, extra=()
     return json.loads(out.read_text())
 
 
-def assert_same_training(runs: dict, single: dict, what: str) -> None:
+def assert_same_training(runs: dict, single: dict, what: str, device: str = "cpu") -> None:
     for model in ("unfused", "fused"):
         ours, ref = runs[model]["loss"], single[model]["loss"]
         assert len(ours) == len(ref) == EPOCHS
         rel = [abs(a - b) / b for a, b in zip(ours, ref)]
-        assert max(rel) <= RTOL, f"{what} {model}: losses differ from one process by {rel}"
-        assert runs[model]["accuracy"] == single[model]["accuracy"]
+        bounds = [RTOL] * EPOCHS if device == "cpu" else [RTOL] + [GPU_LATER_RTOL] * (EPOCHS - 1)
+        assert all(r <= b for r, b in zip(rel, bounds)), (
+            f"{what} {model}: losses differ from one process by {rel}")
+        if device == "cpu":
+            assert runs[model]["accuracy"] == single[model]["accuracy"]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def single_torch(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("single"), "single", [sys.executable], "train_torch.py")
+def single_torch(device, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), "single", [sys.executable], "train_torch.py",
+                 ["--device", device])
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_torch_two_processes_train_like_one(engine, single_torch, tmp_path):
+def test_torch_two_processes_train_like_one(engine, device, single_torch, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2"]
-    runs = train(tmp_path, engine, torchrun, "train_torch.py", ["--distributed", engine])
+    runs = train(tmp_path, engine, torchrun, "train_torch.py",
+                 ["--distributed", engine, "--device", device])
     assert runs["processes"] == 2
-    assert_same_training(runs, single_torch, engine)
+    assert_same_training(runs, single_torch, f"{engine} on {device}", device)
 
 
 def test_keras_mirrored_strategy_trains_like_one_device(tmp_path):
