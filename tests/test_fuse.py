@@ -1,7 +1,8 @@
-"""fusedlayers.torch.fuse on real model code (Hugging Face BERT, ViT, GPT-2 from small configs,
-torchvision-style nn.Sequential, timm's Mlp where timm imports): what it swaps, that it shares
-the Parameters, that outputs and gradients are unchanged in eval() and train(), what it leaves
-and why, and that the fused models trace under torch.compile without graph breaks."""
+"""fusedlayers.torch.fuse on real model code (Hugging Face BERT, ViT, GPT-2, Llama and Gemma
+from small configs, torchvision-style nn.Sequential, timm's Mlp where timm imports): what it
+swaps, that it shares the Parameters, that outputs and gradients are unchanged in eval() and
+train(), what it leaves and why, and that the fused models trace under torch.compile without
+graph breaks."""
 
 import copy
 
@@ -12,7 +13,7 @@ import transformers
 from torch import nn
 
 from fusedlayers.torch import (FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm,
-                               fuse)
+                               RMSNorm, fuse)
 from _helpers import rel_err
 
 transformers.logging.set_verbosity_error()
@@ -37,16 +38,30 @@ def hf_model(name: str, dtype=torch.float32) -> tuple[nn.Module, dict]:
             vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=96,
             bos_token_id=0, eos_token_id=0))
         inputs = {"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ))}
+    elif name in ("llama", "gemma"):
+        config = (transformers.LlamaConfig if name == "llama" else transformers.GemmaConfig)(
+            vocab_size=VOCAB, max_position_embeddings=64, num_key_value_heads=2, head_dim=16,
+            **common)
+        model = (transformers.LlamaModel if name == "llama" else transformers.GemmaModel)(config)
+        with torch.no_grad():  # gains away from their init (1, or 0 for Gemma's 1 + weight)
+            for m in model.modules():
+                if type(m).__name__.endswith("RMSNorm"):
+                    m.weight.uniform_(-0.5, 0.5)
+        inputs = {"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ))}
     else:
         raise ValueError(name)
     return model.to(dtype), inputs
 
 
-# What fuse() must find in each model: (LayerNorms, Linear+GELU pairs, fused class, GELU form).
+# What fuse() must find in each model: (LayerNorms, RMSNorms, Linear+GELU pairs, fused class,
+# GELU form).
 EXPECTED = {
-    "bert": (5, 2, FusedLinearGELU, "none"),  # embeddings + 2 per layer; dense + GELUActivation
-    "vit": (5, 2, FusedLinearGELU, "none"),  # 2 per layer + final; mlp.fc1 + activation_fn
-    "gpt2": (5, 2, FusedConv1DGELU, "tanh"),  # 2 per layer + ln_f; c_fc (Conv1D) + gelu_new
+    "bert": (5, 0, 2, FusedLinearGELU, "none"),  # embeddings + 2 per layer; dense + GELU
+    "vit": (5, 0, 2, FusedLinearGELU, "none"),  # 2 per layer + final; mlp.fc1 + activation_fn
+    "gpt2": (5, 0, 2, FusedConv1DGELU, "tanh"),  # 2 per layer + ln_f; c_fc (Conv1D) + gelu_new
+    "llama": (0, 5, 0, None, None),  # LlamaRMSNorm: 2 per layer + final; SwiGLU: no GELU
+    # GemmaRMSNorm (1 + weight, zero-centred); gate_proj feeds only gelu_pytorch_tanh
+    "gemma": (0, 5, 2, FusedLinearGELU, "tanh"),
 }
 
 
@@ -72,18 +87,23 @@ def test_hf_model_fused_in_place_same_outputs_and_grads(name, train, seed):
 
     assert fuse(model) is model
     assert torch.equal(torch.get_rng_state(), rng_before), "fuse() moved the random stream"
-    n_ln, n_pairs, fused_cls, form = EXPECTED[name]
+    n_ln, n_rms, n_pairs, fused_cls, form = EXPECTED[name]
     modules = list(model.modules())
     assert sum(isinstance(m, LayerNorm) for m in modules) == n_ln
     assert not any(isinstance(m, nn.LayerNorm) for m in modules)
-    pairs = [m for m in modules if isinstance(m, fused_cls)]
-    assert len(pairs) == n_pairs and all(m.approximate == form for m in pairs)
+    rms = [m for m in modules if isinstance(m, RMSNorm)]
+    assert len(rms) == n_rms and all(m.zero_centered == (name == "gemma") for m in rms)
+    assert not any(type(m).__name__.endswith("RMSNorm") and not isinstance(m, RMSNorm)
+                   for m in modules)
+    pairs = [m for m in modules if isinstance(m, (FusedLinearGELU, FusedConv1DGELU))]
+    assert len(pairs) == n_pairs and all(type(m) is fused_cls and m.approximate == form
+                                         for m in pairs)
     assert all(m.training == train for m in modules)
     # The same Parameter objects under the same names: optimizer state and ties stay valid.
     assert [(n, id(p)) for n, p in model.named_parameters()] == params_before
     assert {k: v.shape for k, v in model.state_dict().items()} == state_before
     report = model.fusedlayers_report
-    assert len(report.swapped) == n_ln + n_pairs and report.left == []
+    assert len(report.swapped) == n_ln + n_rms + n_pairs and report.left == []
 
     out, grads = output_and_grads(model, inputs, seed)
     out_ref, grads_ref = output_and_grads(original, inputs, seed)
@@ -105,7 +125,7 @@ def test_hf_model_bf16(name):
     model, inputs = hf_model(name, torch.bfloat16)
     original = copy.deepcopy(model).eval()
     fuse(model.eval())
-    assert len(model.fusedlayers_report.swapped) == sum(EXPECTED[name][:2])
+    assert len(model.fusedlayers_report.swapped) == sum(EXPECTED[name][:3])
     with torch.no_grad():
         out, ref = model(**inputs).last_hidden_state, original(**inputs).last_hidden_state
     assert out.dtype == torch.bfloat16
