@@ -1,5 +1,5 @@
 """fusedlayers.keras.fuse (TensorFlow backend): a clone of Sequential and functional models with
-LayerNormalization and Dense(GELU) swapped, weights copied, the same outputs and gradients, what
+LayerNormalization, RMSNormalization and Dense(GELU) swapped, weights copied, the same outputs and gradients, what
 it leaves and why, mixed precision, and .keras round trips."""
 
 import numpy as np
@@ -11,7 +11,7 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "tensorflow":
     pytest.skip("these tests need KERAS_BACKEND=tensorflow", allow_module_level=True)
 
-from fusedlayers.keras import FusedLinearGELU, LayerNorm, fuse  # noqa: E402
+from fusedlayers.keras import FusedLinearGELU, LayerNorm, RMSNorm, fuse  # noqa: E402
 
 from _tf_utils import rel_err  # noqa: E402
 
@@ -28,6 +28,7 @@ def functional_model(dtype=None):
     h = keras.layers.LayerNormalization(epsilon=1e-5, name="ln1", dtype=dtype)(h + inp)
     h = keras.layers.Dense(24, activation=gelu_tanh, name="fc3", dtype=dtype)(h)
     h = keras.layers.Dense(8, activation="relu", name="head", dtype=dtype)(h)
+    h = keras.layers.RMSNormalization(epsilon=1e-5, name="rms", dtype=dtype)(h)
     return keras.Model(inp, keras.layers.LayerNormalization(axis=[1, 2], name="ln2",
                                                             dtype=dtype)(h))
 
@@ -53,14 +54,14 @@ def test_functional_model_fused_same_outputs_and_grads(seed):
     assert [type(layer).__name__ for layer in model.layers].count("Dense") == 4  # unchanged
     kinds = {layer.name: type(layer) for layer in fused.layers}
     assert kinds["fc1"] is FusedLinearGELU and kinds["fc3"] is FusedLinearGELU
-    assert kinds["ln1"] is LayerNorm and kinds["ln2"] is LayerNorm
+    assert kinds["ln1"] is LayerNorm and kinds["ln2"] is LayerNorm and kinds["rms"] is RMSNorm
     assert kinds["fc2"] is keras.layers.Dense and kinds["head"] is keras.layers.Dense
     assert not fused.get_layer("fc1").approximate and fused.get_layer("fc3").approximate
     assert [w.path for w in fused.weights] == [w.path for w in model.weights]
     for a, b in zip(fused.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     report = fused.fusedlayers_report
-    assert sorted(name for name, _, _ in report.swapped) == ["fc1", "fc3", "ln1", "ln2"]
+    assert sorted(name for name, _, _ in report.swapped) == ["fc1", "fc3", "ln1", "ln2", "rms"]
     assert report.left == []
 
     x = tf.constant(np.random.default_rng(seed).normal(size=(3, 7, 16)).astype("float32"))
@@ -73,14 +74,17 @@ def test_functional_model_fused_same_outputs_and_grads(seed):
 
 def test_sequential_and_switches():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="gelu"),
-                              keras.layers.LayerNormalization(), keras.layers.Dense(3)])
-    only_ln = fuse(model, linear_gelu=False)
-    assert [type(layer).__name__ for layer in only_ln.layers] == ["Dense", "LayerNorm", "Dense"]
-    both = fuse(model)
-    assert [type(layer).__name__ for layer in both.layers] == ["FusedLinearGELU", "LayerNorm",
-                                                               "Dense"]
+                              keras.layers.LayerNormalization(), keras.layers.Dense(3),
+                              keras.layers.RMSNormalization()])
+    names = lambda m: [type(layer).__name__ for layer in m.layers]  # noqa: E731
+    assert names(fuse(model, linear_gelu=False, rms_norm=False)) == [
+        "Dense", "LayerNorm", "Dense", "RMSNormalization"]
+    assert names(fuse(model, layer_norm=False)) == [
+        "FusedLinearGELU", "LayerNormalization", "Dense", "RMSNorm"]
+    every = fuse(model)
+    assert names(every) == ["FusedLinearGELU", "LayerNorm", "Dense", "RMSNorm"]
     x = np.random.default_rng(0).normal(size=(5, 8)).astype("float32")
-    assert rel_err(both(x), model(x)) <= 1e-5
+    assert rel_err(every(x), model(x)) <= 1e-5
 
 
 def test_separate_gelu_activation_is_left_with_a_reason():

@@ -1,6 +1,6 @@
 """`fuse(model)`: a clone of a Keras Sequential or functional model (keras.models.clone_model) with
-its `LayerNormalization` layers as `LayerNorm` and its `Dense` layers with a GELU activation as
-`FusedLinearGELU`, the weights copied. The GELU is recognised by what the activation computes
+its `LayerNormalization` layers as `LayerNorm`, its `RMSNormalization` layers as `RMSNorm` and its
+`Dense` layers with a GELU activation as `FusedLinearGELU`, the weights copied. The GELU is recognised by what the activation computes
 (erf or tanh GELU on a float64 probe from -100 to 100), not by its name; each swapped layer is
 checked against the original on a probe input and, if it differs, left as it was and reported,
 as is the whole model's output. The report is `clone.fusedlayers_report`.
@@ -13,6 +13,7 @@ import numpy as np
 
 from ..fuse_report import FuseReport
 from .layers import FusedLinearGELU, LayerNorm
+from .rms_norm import RMSNorm
 
 # ||fused - original|| / ||original|| allowed on a probe, per compute dtype.
 _TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
@@ -24,9 +25,10 @@ _DENSE_KEYS = ("units", "use_bias", "kernel_initializer", "bias_initializer",
 
 
 def fuse(model: keras.Model, *, layer_norm: bool = True, linear_gelu: bool = True,
-         verbose: bool = False) -> keras.Model:
-    """A clone of `model` with LayerNormalization -> LayerNorm and Dense(activation=GELU) ->
-    FusedLinearGELU (same names, configs and weights); `model` itself is left unchanged.
+         rms_norm: bool = True, verbose: bool = False) -> keras.Model:
+    """A clone of `model` with LayerNormalization -> LayerNorm, RMSNormalization -> RMSNorm and
+    Dense(activation=GELU) -> FusedLinearGELU (same names, configs and weights); `model` itself
+    is left unchanged.
 
     model: a built Sequential or functional keras.Model (subclassed models cannot be cloned:
     swap their layers in their code). Returns the clone; its `fusedlayers_report` lists what was
@@ -47,7 +49,7 @@ def fuse(model: keras.Model, *, layer_norm: bool = True, linear_gelu: bool = Tru
         try:
             clone = keras.models.clone_model(
                 model, recursive=True, clone_function=lambda layer: _swap(
-                    layer, swaps, excluded, left, layer_norm, linear_gelu))
+                    layer, swaps, excluded, left, layer_norm, linear_gelu, rms_norm))
         except ValueError as e:  # clone_model refuses subclassed models
             raise TypeError(f"fusedlayers.keras.fuse: model must be a Sequential or functional "
                             f"model; {type(model).__qualname__} cannot be cloned ({e}); use "
@@ -80,14 +82,16 @@ def _gelu_form(activation) -> str | None:
     return None
 
 
-def _swap(layer, swaps, excluded, left, layer_norm, linear_gelu):
+def _swap(layer, swaps, excluded, left, layer_norm, linear_gelu, rms_norm):
     config = layer.get_config()
     if layer.name in excluded:
         return layer.__class__.from_config(config)
-    if layer_norm and type(layer) is keras.layers.LayerNormalization:
-        new = LayerNorm.from_config(config)
-        swaps[layer.name] = ("LayerNormalization", "LayerNorm", (layer, new))
-        return new
+    for wanted, was, now in ((layer_norm, keras.layers.LayerNormalization, LayerNorm),
+                             (rms_norm, keras.layers.RMSNormalization, RMSNorm)):
+        if wanted and type(layer) is was:  # the same config keys and weights, in order
+            new = now.from_config(config)
+            swaps[layer.name] = (was.__name__, now.__name__, (layer, new))
+            return new
     if linear_gelu and type(layer) is keras.layers.Dense:
         form = _gelu_form(layer.activation)
         if form is not None:
