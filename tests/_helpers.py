@@ -1,11 +1,19 @@
-"""Test utilities: error measures, bitwise comparison, and strided views of fresh tensors
-(layouts: "contiguous", "transposed", "sliced" (last-dim stride 2), "expanded" (stride-0 rows))."""
+"""The tests' one helper module (pytest puts tests/ on sys.path): error measures and tolerances
+calibrated against the framework's own unfused computation, for torch tensors and for TF tensors
+or numpy arrays alike; bitwise comparison; strided views of fresh tensors (layouts: "contiguous",
+"transposed", "sliced" (last-dim stride 2), "expanded" (stride-0 rows)); float64 references for
+the TF tests; subprocess runners for cases that could crash the interpreter.
 
+Nothing here imports TensorFlow at module level, so a test module can `pytest.importorskip` it
+first."""
+
+import math
 import os
 import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,22 +22,42 @@ DEVICES = ("cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]))
 HALF = (torch.float16, torch.bfloat16)
 ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# The same by name, for the TF tests; machine epsilon (spacing at 1.0) of each.
+DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
+HALF_NAMES = ("float16", "bfloat16")
+EPS = {"float64": float(np.finfo(np.float64).eps), "float32": float(np.finfo(np.float32).eps),
+       "float16": float(np.finfo(np.float16).eps), "bfloat16": 2.0 ** -7}
 
 
-def rel_err(a: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
-    """||a - ref|| / ||ref|| in float64 (||a - ref|| when ref is all zeros; 0 for empty).
+def rel_err(a, ref, scale=None) -> float:
+    """||a - ref|| / ||ref|| in float64 (||a - ref|| when ref is all zeros; 0 for empty), of torch
+    tensors, or of TF tensors / variables / numpy arrays.
 
     scale: the magnitude of the terms that sum to ref (e.g. sum |dy| for a bias gradient), used
     elementwise in place of |ref| where it is larger, so a result that cancels to nearly zero is
     judged against the size of what was summed, not against its own rounding noise."""
-    assert a.shape == ref.shape, (a.shape, ref.shape)
-    if ref.numel() == 0:
+    assert tuple(a.shape) == tuple(ref.shape), (a.shape, ref.shape)
+    if math.prod(ref.shape) == 0:
         return 0.0
-    a, ref = a.detach().double(), ref.detach().double()
-    den_t = ref.abs() if scale is None else torch.maximum(ref.abs(), scale.detach().double())
-    num = (a - ref).norm().item()
-    den = den_t.norm().item()
+    if isinstance(a, torch.Tensor) and isinstance(ref, torch.Tensor):
+        a, ref = a.detach().double(), ref.detach().double()
+        den_t = ref.abs() if scale is None else torch.maximum(ref.abs(), scale.detach().double())
+        num, den = (a - ref).norm().item(), den_t.norm().item()
+    else:
+        a, ref = np64(a), np64(ref)
+        den_t = np.abs(ref) if scale is None else np.maximum(np.abs(ref), np64(scale))
+        num, den = float(np.linalg.norm((a - ref).ravel())), float(np.linalg.norm(den_t.ravel()))
     return num / den if den > 0 else num
+
+
+def np64(t) -> np.ndarray:
+    """A torch or TF tensor, TF variable or numpy array as a float64 numpy array."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().double().cpu().numpy()
+    if hasattr(t, "numpy"):
+        import tensorflow as tf
+        return tf.cast(t, tf.float64).numpy()
+    return np.asarray(t, dtype=np.float64)
 
 
 def assert_bitwise(a: torch.Tensor, ref: torch.Tensor) -> None:
@@ -37,17 +65,20 @@ def assert_bitwise(a: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(a, ref, rtol=0, atol=0, equal_nan=True)
 
 
-def assert_calibrated(ours: float, torch_err: float, what: str, *, dtype: torch.dtype,
-                      numel: int, factor: float = 2.0, floor: float = 0.0) -> None:
-    """Ours must be at most `factor` times torch's own error against the same float64 reference,
-    plus a small `floor`, plus one ulp of `dtype` / sqrt(numel): a tolerance that follows the
-    dtype instead of being guessed. The last term covers the rounding noise of few-element
-    results (a single output is either exact or an ulp off, for torch as for us); it fades as
+def assert_calibrated(ours: float, baseline: float, what: str, *, dtype, numel: int,
+                      factor: float = 2.0, floor: float = 0.0, rng=None) -> None:
+    """Ours (our relative error against a float64 reference) must be at most `factor` times the
+    framework's own unfused error against the same reference (`baseline`), plus a small `floor`,
+    plus one ulp of `dtype` (a torch dtype or a name) / sqrt(numel): a tolerance that follows
+    the dtype instead of being guessed. The last term covers the rounding noise of few-element
+    results (a single output is either exact or an ulp off, whoever computes it); it fades as
     the errors of many elements average out."""
-    allowed = factor * torch_err + floor + torch.finfo(dtype).eps / max(numel, 1) ** 0.5
+    name = str(dtype).removeprefix("torch.")
+    allowed = factor * baseline + floor + EPS[name] / max(numel, 1) ** 0.5
     assert ours <= allowed, (
-        f"{what}: relative error {ours:.3e} vs torch's own {torch_err:.3e} "
-        f"(allowed {factor} x torch + {floor:.1e} + ulp/sqrt({numel}) = {allowed:.3e})")
+        f"{what} [{name}]: relative error {ours:.3e} vs the unfused computation's "
+        f"{baseline:.3e} (allowed {factor} x unfused + {floor:.1e} + ulp/sqrt({numel}) = "
+        f"{allowed:.3e})" + (f" ({rng})" if rng is not None else ""))
 
 
 def leaf_shape(shape, layout):
@@ -130,3 +161,68 @@ def concurrent_mismatches(run, cases, same, repeats: int = 20) -> list:
         t.join()
     return failures
 
+
+def tf_grads(fn, inputs, dy):
+    """y = fn(*inputs) and the gradients of sum(y * dy), summed in float64, wrt the non-None
+    inputs (None stays None)."""
+    import tensorflow as tf
+    live = [t for t in inputs if t is not None]
+    with tf.GradientTape() as tape:
+        tape.watch(live)
+        y = fn(*inputs)
+        loss = tf.reduce_sum(tf.cast(y, tf.float64) * tf.cast(dy, tf.float64))
+    gs = iter(tape.gradient(loss, live))
+    return y, [None if t is None else next(gs) for t in inputs]
+
+
+def gelu64(u, approximate):
+    """GELU of a float64 tf tensor through erfc (approximate 'none') or a logistic ('tanh'),
+    without the cancellation of 1 + erf(u) / 1 + tanh(z) that costs tf.nn.gelu ~1e-6 relative
+    accuracy in float64 for negative u. Differentiable (GradientTape)."""
+    import tensorflow as tf
+    if approximate in ("tanh", True):
+        z = np.sqrt(2 / np.pi) * (u + 0.044715 * u * u * u)
+        return u / (1 + tf.exp(-2 * z))
+    return 0.5 * u * tf.math.erfc(-u * np.sqrt(0.5))
+
+
+def ln_grad_scales(x64, g64, dy64, k, eps, rms_scaling=False):
+    """Magnitudes of the terms summed into dx, dgamma, dbeta of a layer norm over the trailing
+    k dims (float64): the denominators of their relative errors, so a gradient that cancels to
+    ~0 is judged against what was summed. With gy = dy * gamma, xc = (x - mean) * rstd:
+      standard: dx = rstd (gy - mean(gy) - xc mean(gy xc)),  dgamma = sum dy xc, dbeta = sum dy
+      rms (rms_scaling=True): dx = rstd (gy - xc mean(gy x rstd)), dgamma = sum dy x rstd."""
+    axes = tuple(range(x64.ndim - k, x64.ndim))
+    lead = tuple(range(x64.ndim - k))
+    mean = x64.mean(axes, keepdims=True)
+    rstd = 1 / np.sqrt(((x64 - mean) ** 2).mean(axes, keepdims=True) + eps)
+    xc = np.abs((x64 - mean) * rstd)
+    xs = xc if not rms_scaling else np.abs(x64 * rstd)  # what multiplies dy in y
+    gy = np.abs(dy64 * (g64 if g64 is not None else 1.0))
+    dx = rstd * (gy + (gy.mean(axes, keepdims=True) if not rms_scaling else 0.0)
+                 + xc * (gy * xs).mean(axes, keepdims=True))
+    return dx, np.sum(np.abs(dy64) * xs, axis=lead), np.sum(np.abs(dy64), axis=lead)
+
+
+def bits_equal(a, b) -> bool:
+    """Same dtype, shape and bit pattern (so -0.0 != +0.0; NaN equal to the same NaN)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.tobytes() == b.tobytes()
+
+
+def run_python(code: str, env_extra: dict | None = None, timeout: float = 600,
+               cwd: str | None = None) -> str:
+    """Runs `code` in a fresh interpreter (cwd: the repository root unless given; without the
+    FUSEDLAYERS_* variables of this process) and returns its stdout; fails the test with both
+    streams if it exits non-zero."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDLAYERS_")}
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", **(env_extra or {})})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=cwd or root, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"subprocess failed (rc {proc.returncode})\n--- stdout ---\n{proc.stdout[-6000:]}\n"
+        f"--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc.stdout

@@ -1,5 +1,6 @@
 """Shared fixtures: a fresh random seed per test (reported when the test fails, and fixable with
-FUSEDLAYERS_TEST_SEED=<seed> to reproduce), and thread-count restoration; and the one guard on
+FUSEDLAYERS_TEST_SEED=<seed> to reproduce), seeding torch and, as `rng`, a numpy Generator;
+thread-count restoration; and the one guard on
 the optional frameworks: TensorFlow's and Keras' tests skip where those are not installed, so
 where they are installed but do not import, the session fails instead of turning half the suite
 into skips."""
@@ -9,6 +10,7 @@ import importlib.util
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +34,34 @@ def seed(request):
     torch.manual_seed(s)
     request.node._fusedlayers_seed = s
     return s
+
+
+class Rng:
+    """numpy's Generator with its seed, for assertion messages and reproduction."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.gen = np.random.default_rng(seed)
+
+    def normal(self, shape, scale=1.0, loc=0.0) -> np.ndarray:
+        return self.gen.normal(loc, scale, size=shape)
+
+    def uniform(self, low, high, shape=None):
+        return self.gen.uniform(low, high, size=shape)
+
+    def away_from_zero(self, shape, gap=0.1) -> np.ndarray:
+        """Normal values with |v| >= gap: finite differences do not straddle relu's kink."""
+        v = self.gen.normal(size=shape)
+        return np.sign(v) * (gap + np.abs(v))
+
+    def __str__(self):
+        return f"seed {self.seed}; reproduce with FUSEDLAYERS_TEST_SEED={self.seed}"
+
+
+@pytest.fixture
+def rng(seed) -> Rng:
+    """numpy's Generator on this test's seed (the TF tests draw from it)."""
+    return Rng(seed)
 
 
 @pytest.hookimpl(hookwrapper=True)

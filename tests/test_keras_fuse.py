@@ -13,7 +13,7 @@ if keras.backend.backend() != "tensorflow":
 
 from fusedlayers.keras import FusedLinearGELU, LayerNorm, RMSNorm, fuse  # noqa: E402
 
-from _tf_utils import rel_err  # noqa: E402
+from _helpers import rel_err  # noqa: E402
 
 
 @keras.saving.register_keras_serializable(package="tests")

@@ -20,8 +20,8 @@ if keras.backend.backend() != "tensorflow":  # KERAS_BACKEND=torch: see test_ker
 
 from fusedlayers.keras import FusedLinearGELU, FusedReLUScale, LayerNorm  # noqa: E402
 
-from _tf_utils import (EPS, assert_calibrated, f64, gelu64, ln_grad_scales,  # noqa: E402,F401
-                       rel_err, rng)
+from _helpers import (EPS, assert_calibrated, gelu64, ln_grad_scales, np64,  # noqa: E402
+                      rel_err)
 
 # Keras warns that LayerNormalization(rms_scaling=True) is deprecated, at construction and in
 # ops.layer_normalization at each call; the comparison with it is intended.
@@ -98,7 +98,7 @@ def test_layer_norm_matches_keras(rng, axis, center, scale, rms):
         x64 = dev + rng.uniform(-0.5, 0.5, dev.mean(red, keepdims=True).shape) * dev.std(
             red, keepdims=True)
     x = tf.constant(x64, tf.float32)
-    x64 = f64(x)
+    x64 = np64(x)
     dy = tf.constant(rng.normal(shape), tf.float32)
     for layer in (ours, theirs):
         layer(x)
@@ -120,8 +120,8 @@ def test_layer_norm_matches_keras(rng, axis, center, scale, rms):
     # dx is judged against the magnitudes of the terms its formula sums (a row's dx can cancel)
     axes = sorted(a % len(shape) for a in ours.axis)
     perm = [d for d in range(len(shape)) if d not in axes] + axes
-    gam = f64(ref.gamma).reshape([shape[a] for a in axes]) if ref.gamma is not None else None
-    sc = ln_grad_scales(x64.transpose(perm), gam, f64(dy).transpose(perm), len(axes),
+    gam = np64(ref.gamma).reshape([shape[a] for a in axes]) if ref.gamma is not None else None
+    sc = ln_grad_scales(x64.transpose(perm), gam, np64(dy).transpose(perm), len(axes),
                         kw["epsilon"], rms_scaling=rms)[0]
     scales = {"x": sc.transpose(np.argsort(perm))}
     for name in gr:
@@ -168,8 +168,8 @@ def test_linear_gelu_matches_dense(rng, approximate, use_bias, shape):
     y, g = forward_and_grads(ours, x, dy)
     yk, gk = forward_and_grads(theirs, x, dy)
     # float64 reference with an accurate GELU (tf.nn.gelu loses ~1e-6 in float64's tails)
-    xs, k = tf.constant(f64(x)), tf.constant(f64(ours.kernel))
-    b = tf.constant(f64(ours.bias)) if use_bias else None
+    xs, k = tf.constant(np64(x)), tf.constant(np64(ours.kernel))
+    b = tf.constant(np64(ours.bias)) if use_bias else None
     with tf.GradientTape() as tape:
         tape.watch([xs, k] + ([b] if use_bias else []))
         h = tf.tensordot(xs, k, 1) + (b if use_bias else 0.0)
@@ -189,10 +189,10 @@ def test_linear_gelu_matches_dense(rng, approximate, use_bias, shape):
     with tf.GradientTape() as tape:
         tape.watch(h)
         act64 = gelu64(h, approximate)
-    s = np.abs(f64(dy)) * (np.abs(tape.gradient(act64, h).numpy()) + np.abs(h.numpy()))
+    s = np.abs(np64(dy)) * (np.abs(tape.gradient(act64, h).numpy()) + np.abs(h.numpy()))
     s2 = s.reshape(-1, units)
-    x2 = np.abs(f64(x)).reshape(-1, shape[-1])
-    scales = {"x": (s2 @ np.abs(f64(ours.kernel)).T).reshape(shape), "kernel": x2.T @ s2,
+    x2 = np.abs(np64(x)).reshape(-1, shape[-1])
+    scales = {"x": (s2 @ np.abs(np64(ours.kernel)).T).reshape(shape), "kernel": x2.T @ s2,
               "bias": s2.sum(0)}
     for name in gr:
         assert g[name] is not None, f"{what}: no gradient for {name}"
@@ -504,7 +504,7 @@ def test_mixed_float16_layer_norm_large_gamma(rng, policy):
         for xin in (x, tf.cast(x, tf.float16)):
             y, yk, yr = ours(xin), theirs(xin), ref(tf.cast(xin, tf.float64))
             assert y.dtype == tf.float16
-            assert np.all(np.isfinite(f64(y))), str(rng)
+            assert np.all(np.isfinite(np64(y))), str(rng)
             assert_calibrated(rel_err(y, yr), rel_err(yk, yr), f"gamma=1000 {kw}",
                               dtype="float16", numel=int(np.prod(shape)), rng=rng,
                               floor=2 * EPS["float16"])

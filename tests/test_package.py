@@ -13,6 +13,8 @@ import pytest
 
 import fusedlayers
 
+import _helpers as helpers
+
 PACKAGE = Path(fusedlayers.__file__).resolve().parent
 BUILD_COMMAND = "pip install --no-build-isolation -e ."
 
@@ -26,15 +28,10 @@ sys.meta_path[:] = [f for f in sys.meta_path
                     if not getattr(f, "__module__", "").startswith("__editable__")]
 """
 
-def run_python(code, cwd=None, env_extra=None, timeout=600, isolate=False):
-    """Runs `code` in a fresh interpreter; isolate: see ISOLATE."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDLAYERS_")}
-    env.update(env_extra or {})
-    code = (ISOLATE if isolate else "") + textwrap.dedent(code)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc.stdout
+def run_python(code, cwd=None, env_extra=None, isolate=False):
+    """_helpers.run_python on dedented `code`, after ISOLATE when isolate."""
+    return helpers.run_python((ISOLATE if isolate else "") + textwrap.dedent(code), env_extra,
+                              cwd=cwd)
 
 
 def copy_package(dest: Path, *, with_sources=False) -> Path:

@@ -17,7 +17,7 @@ import fusedlayers as fl  # noqa: E402
 from fusedlayers.tensorflow import layer_norm_trailing as tf_trailing  # noqa: E402
 from fusedlayers.torch import layer_norm_trailing as torch_trailing  # noqa: E402
 
-from _tf_utils import rel_err, rng, tf_grads  # noqa: E402,F401
+from _helpers import rel_err, tf_grads  # noqa: E402
 
 TORCH_DT = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
             "bfloat16": torch.bfloat16}

@@ -14,7 +14,6 @@ import fusedlayers as fl  # noqa: E402
 from fusedlayers.tensorflow import _op, layer_norm_trailing  # noqa: E402
 
 from _helpers import assert_survives_subprocess, concurrent_mismatches  # noqa: E402
-from _tf_utils import rng  # noqa: E402,F401
 
 keras = pytest.importorskip("keras")
 from fusedlayers.keras import FusedLinearGELU, FusedReLUScale, LayerNorm  # noqa: E402

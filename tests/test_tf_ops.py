@@ -15,8 +15,9 @@ tf = pytest.importorskip("tensorflow")
 import fusedlayers as fl  # noqa: E402
 from fusedlayers.tensorflow import layer_norm_trailing  # noqa: E402
 
-from _tf_utils import (DTYPES, EPS, HALF, assert_calibrated, bits_equal, f64,  # noqa: E402,F401
-                       gelu64, ln_grad_scales, rel_err, rng, tf_grads)
+from _helpers import (DTYPE_NAMES as DTYPES, EPS, HALF_NAMES as HALF,  # noqa: E402
+                      assert_calibrated, bits_equal, gelu64, ln_grad_scales, np64, rel_err,
+                      tf_grads)
 
 
 def tdt(name):
@@ -27,7 +28,7 @@ def const(a, dtype):
     """numpy -> tf constant of dtype (rounded once), and its exact float64 value."""
     t = tf.constant(np.asarray(a, np.float64), tf.float64)
     t = tf.cast(t, tdt(dtype))
-    return t, f64(t)
+    return t, np64(t)
 
 
 # The allowance on top of 2x the unfused error: two ulps (the unfused error is itself a random
@@ -156,7 +157,7 @@ def test_relu_scale_nonfinite_forward_half(rng, dtype):
     rng.gen.shuffle(vals)
     x = tf.constant(vals, tdt(dtype))
     alpha = f32_exact(rng.uniform(0.1, 3))
-    y, want = f64(fl.relu_scale(x, alpha)), f64(tf.nn.relu(x) * alpha)
+    y, want = np64(fl.relu_scale(x, alpha)), np64(tf.nn.relu(x) * alpha)
     np.testing.assert_array_equal(np.isnan(y), np.isnan(want), err_msg=str(rng))
     np.testing.assert_array_equal(np.isposinf(y), np.isposinf(want), err_msg=str(rng))
     fin = np.isfinite(want)
@@ -325,7 +326,7 @@ def test_layer_norm_grads_offset_rows(rng, rms_scaling, shape, loc):
         ref = tf_grads(unfused, [tf.constant(x64), tf.constant(g64)], tf.constant(dy64))[1]
         scales = ln_grad_scales(x64, g64, dy64, 1, eps, rms_scaling=rms_scaling)
         for name, *arrays in zip(draws, ours, base, ref, scales):
-            draws[name].append([f64(a).ravel() for a in arrays])
+            draws[name].append([np64(a).ravel() for a in arrays])
     for name, arrays in draws.items():  # judged over all draws: one error per gradient
         o, b, r, sc = (np.concatenate(a) for a in zip(*arrays))
         assert_calibrated(rel_err(o, r, sc), rel_err(b, r, sc),
@@ -345,7 +346,7 @@ def test_layer_norm_constant_rows(rng):
     dx, dg, db = tf_grads(lambda a, c, d: fl.layer_norm(a, 1000, c, d), [xt, g, b], dy)[1]
     y = fl.layer_norm(xt, 1000, g, b).numpy()
     np.testing.assert_array_equal(y, np.broadcast_to(b.numpy(), y.shape), err_msg=str(rng))
-    gy = f64(dy) * f64(g)
+    gy = np64(dy) * np64(g)
     dx_ref = (gy - gy.mean(-1, keepdims=True)) / np.sqrt(f32_exact(1e-5))
     np.testing.assert_allclose(dx.numpy(), dx_ref, rtol=1e-5, atol=1e-5 * np.abs(dx_ref).max(),
                                err_msg=str(rng))
@@ -360,7 +361,7 @@ def test_layer_norm_large_offset(rng):
     1.5-3.5x TF's own float32 error for such rows (the mean's summation order): allowed 4x."""
     x = tf.constant(rng.normal((8, 1000), loc=300.0), tf.float32)
     y = fl.layer_norm(x, 1000)
-    ref = tf_layer_norm(tf.constant(f64(x)), 1, eps=f32_exact(1e-5))
+    ref = tf_layer_norm(tf.constant(np64(x)), 1, eps=f32_exact(1e-5))
     base = tf_layer_norm(x, 1, eps=1e-5)
     assert_calibrated(rel_err(y, ref), rel_err(base, ref), "offset rows", dtype="float32",
                       numel=8000, rng=rng, factor=4.0, floor=EPS["float32"])

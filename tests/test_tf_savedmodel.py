@@ -16,7 +16,7 @@ keras = pytest.importorskip("keras")
 
 import fusedlayers as fl  # noqa: E402
 
-from _tf_utils import rng, run_python  # noqa: E402,F401
+from _helpers import run_python  # noqa: E402
 
 IN, HID = 12, 9
 
