@@ -84,6 +84,29 @@ def test_layer_norm_decomposition(device, dtype, param_dtype, normalized_shape, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),
+                                               (torch.float64, torch.float64),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float32)])
+@pytest.mark.parametrize("normalized_shape", [(67,), (3, 29)])
+@pytest.mark.parametrize("gain", ["none", "weight", "zero_centered"])
+def test_rms_norm_decomposition(device, dtype, param_dtype, normalized_shape, gain):
+    shape = (5, 7, *normalized_shape)
+    x = (torch.randn(shape, device=device) * 3 + 1).to(dtype).transpose(0, 1)
+    w = (None if gain == "none"
+         else torch.randn(normalized_shape, device=device).to(param_dtype))
+    args = (x, list(normalized_shape), w, 1e-5, gain == "zero_centered")
+    for got, ref, what in zip(decomposed("rms_norm", *args), fl.rms_norm(*args), ("out", "rstd")):
+        close(got, ref, dtype, what)
+    _, rstd = fl.rms_norm(*args)
+    dy = torch.randn(x.shape, device=device, dtype=dtype)
+    bargs = (dy, x, rstd, list(normalized_shape), w, gain == "zero_centered")
+    for got, ref, what in zip(decomposed("rms_norm_backward", *bargs),
+                              fl.rms_norm_backward(*bargs), ("dx", "dweight")):
+        close(got, ref, dtype, what, terms=35)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("weight_layout", ["out_in", "in_out"])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -148,12 +171,13 @@ class RMSScaling(nn.Module):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("model", ["block", "memory_efficient", "rms_scaling"])
+@pytest.mark.parametrize("model", ["block", "memory_efficient", "rms_scaling", "rms_norm"])
 def test_compiled_model_runs_inductor_kernels_and_matches_eager(model, device):
     torch._dynamo.reset()
     module = {"block": lambda: Block(),
               "memory_efficient": lambda: flt.LayerNorm(67, memory_efficient=True),
-              "rms_scaling": lambda: RMSScaling(67)}[model]().to(device)
+              "rms_scaling": lambda: RMSScaling(67),
+              "rms_norm": lambda: flt.RMSNorm(67, zero_centered=True)}[model]().to(device)
     x = torch.randn(3, 11, 67, device=device, requires_grad=True)
     dy = torch.randn(3, 11, 67, device=device)
     code, out, grads = compiled_step(module, x, dy)

@@ -94,6 +94,35 @@ def _layer_norm_backward(grad_out, saved, mean, rstd, normalized_shape, weight, 
     return grad_input.to(saved.dtype), grad_weight, grad_bias
 
 
+def _rms_norm(x, normalized_shape, weight, eps, zero_centered=False):
+    # csrc/norm.h, NormMode::kRms: rstd in float32 (float64 for float64), the gain 1 + weight
+    # with zero_centered (1 where weight is absent), added in that type.
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    xf = x.to(stat_dtype(x))
+    rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
+    out = xf * rstd
+    if weight is not None:
+        out = out * (weight.to(xf.dtype) + 1 if zero_centered else weight)
+    return out.to(x.dtype), rstd.reshape(x.shape[:dims[0]])
+
+
+def _rms_norm_backward(grad_out, x, rstd, normalized_shape, weight, zero_centered=False):
+    # With g = dy * gamma and x_hat = x * rstd: dx = rstd * (g - x_hat * mean(g * x_hat)),
+    # dgamma = sum over rows of dy * x_hat (csrc/norm.h).
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    acc = stat_dtype(x)
+    dy, xf = grad_out.to(acc), x.to(acc)
+    x_hat = xf * rstd.reshape(*rstd.shape, *([1] * len(dims)))
+    g = dy
+    if weight is not None:
+        g = dy * (weight.to(acc) + 1 if zero_centered else weight)
+    grad_input = rstd.reshape(*rstd.shape, *([1] * len(dims))) * (
+        g - x_hat * (g * x_hat).mean(dims, keepdim=True))
+    grad_weight = (x.new_empty(0) if weight is None
+                   else (dy * x_hat).sum(list(range(dims[0]))).to(weight.dtype))
+    return grad_input.to(x.dtype), grad_weight
+
+
 def _linear_gelu_with_pre(x, weight, bias, approximate):
     pre = F.linear(x, weight, bias)
     return F.gelu(pre, approximate=approximate), pre
@@ -118,6 +147,8 @@ DECOMPOSITIONS = {
     "relu_scale_backward": _relu_scale_backward,
     "layer_norm": _layer_norm,
     "layer_norm_backward": _layer_norm_backward,
+    "rms_norm": _rms_norm,
+    "rms_norm_backward": _rms_norm_backward,
     "linear_gelu": reference.linear_gelu,
     "linear_gelu_with_pre": _linear_gelu_with_pre,
     "linear_gelu_backward": _linear_gelu_backward,
