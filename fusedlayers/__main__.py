@@ -60,6 +60,8 @@ def bench(argv: list[str]) -> int:
                         help="comma-separated ops to bench")
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--peers", action="store_true",
+                        help="add Liger-Kernel's and QuACK's kernels where they import (CUDA)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart")
@@ -100,7 +102,8 @@ def bench(argv: list[str]) -> int:
         return _bench_model(args, device, name)
     from fusedlayers import bench as b
     rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
-                           not args.no_compile, args.reps, tuple(args.ops.split(",")))
+                           not args.no_compile, args.reps, tuple(args.ops.split(",")),
+                           args.peers)
     print(b.format_table(rows, ceilings, name))
     if args.json:
         b.write_json(args.json, rows, ceilings, name)

@@ -12,6 +12,10 @@ GEMM rate of the same dtype. Times are medians. On CUDA each variant is captured
 graph and its replays are timed with CUDA events (triton.testing.do_bench when present), so the
 numbers are the kernels' and not Python's launch overhead; a variant that cannot be captured is
 timed directly. On the CPU: the wall clock around synchronous calls.
+
+With peers (`--peers`, CUDA), other libraries' kernels for the same call join the rows where
+they import: Liger-Kernel's Triton LayerNorm and RMSNorm (liger_kernel.ops, its defaults:
+RMSNorm's "llama" casting, backward in place), and QuACK's RMSNorm (`quack.rmsnorm`).
 """
 
 import json
@@ -112,9 +116,33 @@ def _fwd_bwd(fn, inputs):
 OPS = ("relu_scale", "layer_norm", "rms_norm", "linear_gelu")
 
 
-def _cases(device: torch.device, quick: bool):
+def _peers(op: str, x, w, b, eps: float) -> dict:
+    """Other libraries' kernels for the same call, by name, where they import (CUDA only)."""
+    peers = {}
+    if x.device.type != "cuda":
+        return peers
+    try:
+        if op == "layer_norm":
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+            peers["liger"] = lambda: LigerLayerNormFunction.apply(x, w, b, eps)
+        else:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+            peers["liger"] = lambda: LigerRMSNormFunction.apply(x, w, eps)
+    except ImportError:
+        pass
+    if op == "rms_norm":
+        try:
+            from quack import rmsnorm
+            peers["quack"] = lambda: rmsnorm(x, w, eps)
+        except ImportError:
+            pass
+    return peers
+
+
+def _cases(device: torch.device, quick: bool, peers: bool = False):
     """(op, shape, builder) where builder(dtype) -> (fused_fn, unfused_fn, inputs, work,
-    extra_fwd): extra_fwd holds more forward-only variants by name."""
+    extra_fwd, extra): extra_fwd holds more forward-only variants by name, extra more variants
+    of both passes (the peers)."""
     cuda = device.type == "cuda"
     ew_shapes = [(32768, 4096)] if cuda else [(1024, 1024)]
     ln_shapes = ([(32768, 768), (32768, 1024), (32768, 2048), (32768, 4096), (8192, 8192),
@@ -130,19 +158,23 @@ def _cases(device: torch.device, quick: bool):
         def relu_case(dtype, rows=rows, cols=cols):
             x = rand(rows, cols, dtype=dtype)
             return (lambda: fused.relu_scale(x, 0.5), lambda: reference.relu_scale(x, 0.5), [x],
-                    x.numel() * x.element_size(), {})
+                    x.numel() * x.element_size(), {}, {})
         yield "relu_scale", f"{rows}x{cols}", relu_case
     for rows, cols in ln_shapes:
         def ln_case(dtype, rows=rows, cols=cols):
             x, w, b = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
-            return (lambda: fused.layer_norm(x, cols, w, b), lambda: reference.layer_norm(x, cols, w, b),
-                    [x, w, b], x.numel() * x.element_size(), {})
+            return (lambda: fused.layer_norm(x, cols, w, b),
+                    lambda: reference.layer_norm(x, cols, w, b), [x, w, b],
+                    x.numel() * x.element_size(), {},
+                    _peers("layer_norm", x, w, b, 1e-5) if peers else {})
         yield "layer_norm", f"{rows}x{cols}", ln_case
     for rows, cols in ln_shapes:
         def rms_case(dtype, rows=rows, cols=cols):
             x, w = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
-            return (lambda: fused.rms_norm(x, cols, w, 1e-6), lambda: F.rms_norm(x, (cols,), w, 1e-6),
-                    [x, w], x.numel() * x.element_size(), {})
+            return (lambda: fused.rms_norm(x, cols, w, 1e-6),
+                    lambda: F.rms_norm(x, (cols,), w, 1e-6), [x, w],
+                    x.numel() * x.element_size(), {},
+                    _peers("rms_norm", x, w, None, 1e-6) if peers else {})
         yield "rms_norm", f"{rows}x{cols}", rms_case
     for m, k, n in lin_shapes:
         def lin_case(dtype, m=m, k=k, n=n):
@@ -152,12 +184,13 @@ def _cases(device: torch.device, quick: bool):
             if cuda:
                 extra["addmm-act"] = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
             return (lambda: fused.linear_gelu(x, w, b), lambda: reference.linear_gelu(x, w, b),
-                    [x, w, b], 2 * m * n * k, extra)
+                    [x, w, b], 2 * m * n * k, extra, {})
         yield "linear_gelu", f"({m}x{k})x({k}x{n})", lin_case
 
 
 def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
-        compile: bool = True, reps: int = 20, op_names=OPS) -> tuple[list[Row], dict]:
+        compile: bool = True, reps: int = 20, op_names=OPS,
+        peers: bool = False) -> tuple[list[Row], dict]:
     unknown = set(op_names) - set(OPS)
     if unknown:
         raise ValueError(f"bench: ops must be among {OPS}, got {sorted(unknown)}")
@@ -167,12 +200,13 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dev, dtype, reps)
-        for op, shape, build in _cases(dev, quick):
+        for op, shape, build in _cases(dev, quick, peers):
             if op not in op_names:
                 continue
-            fused, unfused, inputs, work, extra_fwd = build(dtype)
+            fused, unfused, inputs, work, extra_fwd, extra = build(dtype)
             for pass_ in ("fwd", "fwd+bwd"):
-                impls = {"fused": fused, "eager": unfused, **(extra_fwd if pass_ == "fwd" else {})}
+                impls = {"fused": fused, "eager": unfused, **extra,
+                         **(extra_fwd if pass_ == "fwd" else {})}
                 if compile:  # a fresh compile per case and pass: no recompile-limit fallbacks
                     torch._dynamo.reset()
                     impls["compile"] = torch.compile(unfused)
