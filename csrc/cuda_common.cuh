@@ -58,17 +58,18 @@ inline bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Blocks of `Kernel` (`threads` threads, `smem` bytes of dynamic shared memory, fixed per
-// kernel when nonzero) one SM holds at once; 0 when the device cannot give a block that much
-// shared memory. Worked out once per device and kernel, so it costs nothing per launch (the
-// shared memory opt-in is a per-device function attribute); racing first calls agree.
+// Blocks of `Kernel` (`threads` threads, `smem` bytes of dynamic shared memory) one SM holds at
+// once; 0 when the device cannot give a block that much shared memory. A kernel launches with at
+// most two smem sizes, each always with the same `slot` (0 or 1). Worked out once per device,
+// kernel and slot, so it costs nothing per launch (the shared memory opt-in, a per-device function
+// attribute, is set to the device's most); racing first calls agree.
 template <auto Kernel>
-int resident_blocks(int threads, size_t smem) {
+int resident_blocks(int threads, size_t smem, int slot = 0) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[2][kMaxDevices];  // [smem > 0][device]: blocks + 1, 0 = unknown
+  static std::atomic<int> known[2][kMaxDevices];  // [slot][device]: blocks + 1, 0 = unknown
   int device;
   check(cudaGetDevice(&device), "cudaGetDevice");
-  std::atomic<int>* entry = device < kMaxDevices ? &known[smem > 0][device] : nullptr;
+  std::atomic<int>* entry = device < kMaxDevices ? &known[slot][device] : nullptr;
   if (entry && entry->load() > 0) return entry->load() - 1;
   int optin = 0, n = 0;
   check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
@@ -76,8 +77,9 @@ int resident_blocks(int threads, size_t smem) {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, Kernel), "cudaFuncGetAttributes");
   if (smem + attr.sharedSizeBytes <= size_t(optin)) {
-    if (smem + attr.sharedSizeBytes > 48 * 1024)  // static + dynamic: the opt-in limit
-      check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+    if (smem + attr.sharedSizeBytes > 48 * 1024)  // static + dynamic: opt in to the most
+      check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 optin - int(attr.sharedSizeBytes)),
             "cudaFuncSetAttribute");
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
