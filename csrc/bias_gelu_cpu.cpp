@@ -162,10 +162,10 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
     T* pp = static_cast<T*>(pre);
     T* yp = static_cast<T*>(y);
     const int64_t block = block_rows(cols);
-    const std::vector<A> b =
-        std::is_same_v<T, A> ? std::vector<A>() : cpu::param_or<T, A>(bias, cols, A(0));
+    const cpu::Row<A> b =
+        std::is_same_v<T, A> ? cpu::Row<A>() : cpu::param_or<T, A>(bias, cols, A(0));
     parallel_for(rows, block, [&](int64_t begin, int64_t end) {
-      std::vector<A> buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(block * cols));
+      cpu::Row<A> buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(block * cols));
       for (int64_t r = begin; r < end; r += block) {
         const int64_t n = std::min(block, end - r), off = r * cols;
         const T* bp = static_cast<const T*>(bias);
@@ -210,9 +210,10 @@ void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* d
     T* dpp = static_cast<T*>(dpre);
     const int64_t block = block_rows(cols);
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
-      std::vector<A> buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(2 * block * cols));
+      const int64_t stride = cpu::row_stride<A>(block * cols);
+      cpu::Row<A> buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(2 * stride));
       A* u = buf.data();
-      A* d = u + block * cols;
+      A* d = u + stride;
       for (int64_t c = cbegin; c < cend; ++c) {
         A* pb = dbias ? partial + c * cols : nullptr;
         if (pb) std::fill(pb, pb + cols, A(0));

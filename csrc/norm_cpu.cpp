@@ -32,8 +32,8 @@ void check_param_dtype(const char* op, DType dtype, DType param_dtype) {
 
 // gamma = weight + offset in the accumulation type, 1 where weight is absent.
 template <typename P, typename A>
-std::vector<A> gamma_or_one(const void* weight, int64_t cols, float offset) {
-  std::vector<A> g = cpu::param_or<P, A>(weight, cols, A(1));
+cpu::Row<A> gamma_or_one(const void* weight, int64_t cols, float offset) {
+  cpu::Row<A> g = cpu::param_or<P, A>(weight, cols, A(1));
   if (weight && offset != 0)
     for (A& v : g) v += A(offset);
   return g;
@@ -70,7 +70,13 @@ FUSEDLAYERS_CPU_CLONES void forward_rows(const T* x, const A* g, const A* b, T* 
                   }) / A(cols);
     const A rs = A(1) / std::sqrt(var + eps);
     const A shift = mode == NormMode::kLayer ? mu : A(0);
-    for (int64_t j = 0; j < cols; ++j) yr[j] = cpu::from_acc<T>((v[j] - shift) * rs * g[j] + b[j]);
+    if constexpr (cpu::kStaged<T>) {  // in the staging buffer (v is buf), converted in one pass
+      for (int64_t j = 0; j < cols; ++j) buf[j] = (v[j] - shift) * rs * g[j] + b[j];
+      cpu::store(buf, yr, cols);
+    } else {
+      for (int64_t j = 0; j < cols; ++j)
+        yr[j] = cpu::from_acc<T>((v[j] - shift) * rs * g[j] + b[j]);
+    }
     if (mean) mean[r] = mu;
     rstd[r] = rs;
   }
@@ -93,7 +99,7 @@ struct BackwardArgs {
 };
 
 // Rows [begin, end): dx, and dy * xhat and dy added into pg and pb (when not null) in row order.
-// buf holds 3 * cols values.
+// buf holds 3 rows of cols values, row_stride apart.
 template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A* pb, A* buf,
                                           int64_t begin, int64_t end) {
@@ -101,16 +107,25 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
   const bool centred = a.mode == NormMode::kLayer;
   const A* g = a.g;
   const A* b = a.b;
-  A* d = buf;           // dy
-  A* xh = d + cols;     // xhat
-  A* gd = xh + cols;    // dy * gamma, then dx
+  const int64_t stride = cpu::row_stride<A>(cols);
+  A* d = buf;            // dy
+  A* xh = d + stride;    // xhat
+  A* gd = xh + stride;   // dy * gamma, then dx
   for (int64_t r = begin; r < end; ++r) {
     const A rs = a.rstd[r];
     if (centred && !a.saved_is_output) {
       // The common case in two passes over the row, xhat and dy * gamma recomputed in each:
-      // the same values, sums and order as the general path below, so the same bits.
-      const T* xr = a.saved + r * cols;
-      const T* dyr = a.dy + r * cols;
+      // the same values, sums and order as the general path below, so the same bits. Rows of
+      // staged types are converted into d and xh first, and dx goes out through gd.
+      const auto row = [&](const T* p, A* staging) {
+        if constexpr (cpu::kStaged<T>) {
+          cpu::load(p, staging, cols);
+          return static_cast<const A*>(staging);
+        } else {
+          return p;
+        }
+      };
+      const auto xr = row(a.saved + r * cols, xh), dyr = row(a.dy + r * cols, d);
       const A mu = a.mean[r];
       const auto [sum_gd, sum_gdx] = cpu::lane_sum2<A>(cols, [&](int64_t j) {
         const A dyj = cpu::to_acc(dyr[j]), xhj = (cpu::to_acc(xr[j]) - mu) * rs;
@@ -124,8 +139,13 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
       T* dxr = a.dx + r * cols;
       for (int64_t j = 0; j < cols; ++j) {
         const A xhj = (cpu::to_acc(xr[j]) - mu) * rs;
-        dxr[j] = cpu::from_acc<T>(rs * (cpu::to_acc(dyr[j]) * g[j] - mg - xhj * mgx));
+        const A dxj = rs * (cpu::to_acc(dyr[j]) * g[j] - mg - xhj * mgx);
+        if constexpr (cpu::kStaged<T>)
+          gd[j] = dxj;
+        else
+          dxr[j] = cpu::from_acc<T>(dxj);
       }
+      if constexpr (cpu::kStaged<T>) cpu::store(gd, dxr, cols);
       continue;
     }
     cpu::load(a.dy + r * cols, d, cols);
@@ -176,12 +196,12 @@ void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for)
     using T = decltype(t);
     using P = decltype(p);
     using A = typename cpu::Acc<T>::type;
-    const std::vector<A> g = gamma_or_one<P, A>(a.gamma, cols, a.gamma_offset);
-    const std::vector<A> b =
+    const cpu::Row<A> g = gamma_or_one<P, A>(a.gamma, cols, a.gamma_offset);
+    const cpu::Row<A> b =
         cpu::param_or<P, A>(a.mode == NormMode::kLayer ? a.beta : nullptr, cols, A(0));
     const int64_t grain = std::max<int64_t>(1, 16384 / cols);
     parallel_for(a.rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<A> buf(static_cast<size_t>(cols));
+      cpu::Row<A> buf(static_cast<size_t>(cols));
       forward_rows(static_cast<const T*>(a.x), g.data(), b.data(), static_cast<T*>(a.y),
                    static_cast<A*>(a.mean), static_cast<A*>(a.rstd), buf.data(), begin, end, cols,
                    static_cast<A>(a.eps), a.mode);
@@ -204,8 +224,8 @@ void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_fo
     using T = decltype(t);
     using P = decltype(p);
     using A = typename cpu::Acc<T>::type;
-    const std::vector<A> g = gamma_or_one<P, A>(a.gamma, cols, a.gamma_offset);
-    const std::vector<A> b = cpu::param_or<P, A>(a.beta, cols, A(0));
+    const cpu::Row<A> g = gamma_or_one<P, A>(a.gamma, cols, a.gamma_offset);
+    const cpu::Row<A> b = cpu::param_or<P, A>(a.beta, cols, A(0));
     A* partial = static_cast<A*>(a.workspace);  // [chunk][dgamma | dbeta][cols]
     const int64_t chunks = cpu::num_chunks(rows, cols);
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
@@ -215,7 +235,7 @@ void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_fo
                                   g.data(), b.data(), static_cast<T*>(a.dx), cols,
                                   a.saved_is_output, a.mode};
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
-      std::vector<A> buf(static_cast<size_t>(3 * cols));
+      cpu::Row<A> buf(static_cast<size_t>(3 * cpu::row_stride<A>(cols)));
       for (int64_t c = cbegin; c < cend; ++c) {
         A* pg = want_params ? partial + c * 2 * cols : nullptr;
         A* pb = want_params ? pg + cols : nullptr;

@@ -30,8 +30,8 @@ inline uint32_t mask_word(const T* x, int64_t e) {
   return word;
 }
 
-// v where keep, else +0. For the 16-bit types it selects the stored bits after the conversion:
-// a select around the conversion's own selects is more control flow than GCC if-converts.
+// v where keep, else +0. For bfloat16 it selects the stored bits after the conversion: a select
+// around the conversion's own selects is more control flow than GCC if-converts.
 template <typename T>
 inline T zero_unless(bool keep, T v) {
   if constexpr (std::is_floating_point_v<T>) {
@@ -49,32 +49,58 @@ inline void backward_word(const T* dy, uint32_t word, T* dx, A alpha, int64_t e)
   }
 }
 
+// float16 elements run the float loops below over chunks of kStageWords mask words staged in
+// float (cpu::kStaged); the other types convert element by element.
+constexpr int64_t kStageWords = 16;
+
 // Mask words [w_begin, w_end) of n elements: their mask (when not null) and y.
 template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void forward_words(const T* x, T* y, uint32_t* mask, int64_t n, A alpha,
                                           int64_t w_begin, int64_t w_end) {
-  if (mask) {  // before y: y may alias x
-    for (int64_t w = w_begin; w < w_end; ++w) {
-      const int64_t e = std::min<int64_t>(32, n - w * 32);
-      mask[w] = e == 32 ? mask_word<T, A, 32>(x + w * 32, e) : mask_word<T, A, 0>(x + w * 32, e);
+  if constexpr (cpu::kStaged<T>) {
+    A buf[kStageWords * 32];
+    for (int64_t w = w_begin; w < w_end; w += kStageWords) {
+      const int64_t words = std::min(kStageWords, w_end - w), i = w * 32;
+      const int64_t m = std::min(n, (w + words) * 32) - i;
+      cpu::load(x + i, buf, m);
+      forward_words(buf, buf, mask ? mask + w : nullptr, m, alpha, 0, words);
+      cpu::store(buf, y + i, m);
     }
-  }
-  for (int64_t i = w_begin * 32, end = std::min(n, w_end * 32); i < end; ++i) {
-    const A v = cpu::to_acc(x[i]);
-    // v < 0 is false for NaN, so NaN passes through as in torch.relu.
-    y[i] = cpu::from_acc<T>((v < A(0) ? A(0) : v) * alpha);
+  } else {
+    if (mask) {  // before y: y may alias x
+      for (int64_t w = w_begin; w < w_end; ++w) {
+        const int64_t e = std::min<int64_t>(32, n - w * 32);
+        mask[w] = e == 32 ? mask_word<T, A, 32>(x + w * 32, e) : mask_word<T, A, 0>(x + w * 32, e);
+      }
+    }
+    for (int64_t i = w_begin * 32, end = std::min(n, w_end * 32); i < end; ++i) {
+      const A v = cpu::to_acc(x[i]);
+      // v < 0 is false for NaN, so NaN passes through as in torch.relu.
+      y[i] = cpu::from_acc<T>((v < A(0) ? A(0) : v) * alpha);
+    }
   }
 }
 
 template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void backward_words(const T* dy, const uint32_t* mask, T* dx, int64_t n,
                                            A alpha, int64_t w_begin, int64_t w_end) {
-  for (int64_t w = w_begin; w < w_end; ++w) {
-    const int64_t e = std::min<int64_t>(32, n - w * 32);
-    if (e == 32)
-      backward_word<T, A, 32>(dy + w * 32, mask[w], dx + w * 32, alpha, e);
-    else
-      backward_word<T, A, 0>(dy + w * 32, mask[w], dx + w * 32, alpha, e);
+  if constexpr (cpu::kStaged<T>) {
+    A buf[kStageWords * 32];
+    for (int64_t w = w_begin; w < w_end; w += kStageWords) {
+      const int64_t words = std::min(kStageWords, w_end - w), i = w * 32;
+      const int64_t m = std::min(n, (w + words) * 32) - i;
+      cpu::load(dy + i, buf, m);
+      backward_words(buf, mask + w, buf, m, alpha, 0, words);
+      cpu::store(buf, dx + i, m);
+    }
+  } else {
+    for (int64_t w = w_begin; w < w_end; ++w) {
+      const int64_t e = std::min<int64_t>(32, n - w * 32);
+      if (e == 32)
+        backward_word<T, A, 32>(dy + w * 32, mask[w], dx + w * 32, alpha, e);
+      else
+        backward_word<T, A, 0>(dy + w * 32, mask[w], dx + w * 32, alpha, e);
+    }
   }
 }
 }  // namespace

@@ -2,6 +2,7 @@
 // C++ with a std::thread parallel-for, against float64 references written here. Built and run by
 // tests/test_csrc.py (so by CI): `csrc_test <seed>` exits 0 when every check holds.
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "csrc/bias_gelu.h"
+#include "csrc/cpu_types.h"
 #include "csrc/layer_norm.h"
 #include "csrc/linear_gelu.h"
 #include "csrc/relu_scale.h"
@@ -230,6 +232,63 @@ void bias_gelu_test(std::mt19937_64& rng) {
                "linear_gelu 1-D weight");
 }
 
+// float16 <-> float32 as the kernels convert rows (the CPU's conversion instructions where it has
+// them) against the arithmetic conversions of cpu_types.h and, where the compiler has it,
+// _Float16: every half, and float32 bit patterns 7919 apart plus each half's rounding edges. The
+// same bits, but for NaNs: a NaN stays a NaN of its sign (F16C quiets a signalling one).
+template <typename To, typename From>
+To bit_cast(From v) {
+  To out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+}
+
+bool same(float a, float b) {
+  return std::isnan(a) ? std::isnan(b) && std::signbit(a) == std::signbit(b)
+                       : std::memcmp(&a, &b, 4) == 0;
+}
+bool same(uint16_t a, uint16_t b) {
+  const bool nan_a = (a & 0x7fff) > 0x7c00, nan_b = (b & 0x7fff) > 0x7c00;
+  return nan_a || nan_b ? nan_a && nan_b && (a >> 15) == (b >> 15) : a == b;
+}
+
+void half_conversion_test() {
+  std::vector<cpu::Half> halves(65536);
+  for (uint32_t i = 0; i < 65536; ++i) halves[i] = cpu::Half{uint16_t(i)};
+  std::vector<float> floats(65536);
+  cpu::half_to_float(halves.data(), floats.data(), 65536);
+  int64_t wrong = 0;
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const float want = cpu::to_acc(halves[i]);
+    wrong += !same(floats[i], want);
+#ifdef __FLT16_MAX__
+    wrong += !same(float(bit_cast<_Float16>(uint16_t(i))), want);
+#endif
+  }
+  expect(wrong == 0, "half_to_float on every half: " + std::to_string(wrong) + " wrong");
+  std::vector<float> pattern;
+  for (uint64_t u = 0; u < (uint64_t(1) << 32); u += 7919)
+    pattern.push_back(bit_cast<float>(uint32_t(u)));
+  for (uint32_t h = 0; h < 0x7c00; ++h) {  // each half's neighbours and the midpoints to the next
+    const uint32_t f = bit_cast<uint32_t>(cpu::to_acc(cpu::Half{uint16_t(h)}));
+    for (uint32_t d : {0u, 1u, 0x1000u, 0xfffu, 0x1001u})
+      for (uint32_t sign : {0u, 0x80000000u})
+        pattern.push_back(bit_cast<float>((f + d) | sign));
+  }
+  std::vector<cpu::Half> out(pattern.size());
+  cpu::float_to_half(pattern.data(), out.data(), int64_t(pattern.size()));
+  wrong = 0;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const uint16_t want = cpu::from_acc<cpu::Half>(pattern[i]).bits;
+    wrong += !same(out[i].bits, want);
+#ifdef __FLT16_MAX__
+    wrong += !same(bit_cast<uint16_t>(_Float16(pattern[i])), want);
+#endif
+  }
+  expect(wrong == 0, "float_to_half on " + std::to_string(pattern.size()) + " floats: " +
+                         std::to_string(wrong) + " wrong");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -239,6 +298,7 @@ int main(int argc, char** argv) {
   norm_test(rng, false);
   norm_test(rng, true);
   bias_gelu_test(rng);
+  half_conversion_test();
 #ifndef FUSEDLAYERS_WITH_CUDA
   std::vector<float> x(4), y(4);
   const std::vector<int64_t> shape{4};
