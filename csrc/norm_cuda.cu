@@ -217,12 +217,16 @@ __global__ void __launch_bounds__(S::kBlock)
     load_row<T, N, S>(x + r * cols, cols, lane, v);
     A mu = 0;
     if (mode != NormMode::kRms) {  // uniform over the row slot, as row_sum's barriers need
+      // The mean as x[0] + mean(x - x[0]) (see norm_cpu.cpp); x[0] is one broadcast load.
+      const A x0 = to_acc(x[r * cols]);
       A sum = 0;
 #pragma unroll
-      for (int it = 0; it < S::kIters; ++it)
+      for (int it = 0; it < S::kIters; ++it) {
+        if (column<N, S>(it, lane) >= cols) continue;
 #pragma unroll
-        for (int k = 0; k < N; ++k) sum += v[it][k];
-      mu = row_sum<S>(sum, smem, slot, lane) * inv_cols;
+        for (int k = 0; k < N; ++k) sum += v[it][k] - x0;
+      }
+      mu = x0 + row_sum<S>(sum, smem, slot, lane) * inv_cols;
     }
     A sq = 0;
 #pragma unroll
@@ -426,9 +430,10 @@ __global__ void __launch_bounds__(kStreamThreads)
     const T* xr = x + r * cols;
     A mu = 0;
     if (mode != NormMode::kRms) {
+      const A x0 = to_acc(xr[0]);  // the mean as x[0] + mean(x - x[0]), as above
       A sum = 0;
-      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sum += to_acc(xr[c]);
-      mu = cuda::block_sum(sum, smem) * inv_cols;
+      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sum += to_acc(xr[c]) - x0;
+      mu = x0 + cuda::block_sum(sum, smem) * inv_cols;
     }
     A sq = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {

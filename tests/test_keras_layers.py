@@ -90,7 +90,7 @@ def test_layer_norm_matches_keras(rng, axis, center, scale, rms):
     x64 = rng.normal(shape, loc=rng.uniform(-2, 2), scale=rng.uniform(0.5, 2))
     if rms:
         # rms_scaling's dx error grows with |mean| / std of each normalized row (bug pinned by
-        # test_tf_ops.py::test_layer_norm_dx_offset_rows[rms]); with 4-element rows a random
+        # test_tf_ops.py::test_layer_norm_grads_offset_rows[rms]); with 4-element rows a random
         # row can have a tiny std. Here every row's |mean| <= std / 2, so that this test checks
         # the layer's wiring, not that weakness.
         red = tuple(a % len(shape) for a in ([axis] if isinstance(axis, int) else axis))

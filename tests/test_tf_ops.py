@@ -308,7 +308,9 @@ def test_layer_norm_grads_offset_rows(rng, rms_scaling, shape, loc):
     """dx and dgamma for rows with |mean| = 10 and 100 std, where rms mode's dx (Keras'
     rms_scaling) is a small difference of large terms; judged (like every gradient here) against
     the magnitudes of the terms their formulas sum: within 2x TF's own autodiff + 2 ulps over
-    four draws per seed."""
+    four draws per seed. Every row has std 1 and a mean within 0.5 of `loc`: a random 4-element
+    row can have a tiny std, whose rstd makes that one row's rounding the whole error of ours and
+    of TF's alike, and their ratio a coin toss."""
     eps = f32_exact(1e-3)
 
     def fused(a, c):
@@ -319,7 +321,9 @@ def test_layer_norm_grads_offset_rows(rng, rms_scaling, shape, loc):
 
     draws = {"dx": [], "dgamma": []}  # (ours, TF's, reference, scale) per draw
     for _ in range(4):
-        x, x64 = const(rng.normal(shape, loc=loc), "float32")
+        z = rng.normal(shape)
+        z = (z - z.mean(1, keepdims=True)) / z.std(1, keepdims=True)
+        x, x64 = const(z + loc + rng.uniform(-0.5, 0.5, (shape[0], 1)), "float32")
         g, g64 = const(rng.normal(shape[1], loc=1.0, scale=0.5), "float32")
         dy, dy64 = const(rng.normal(shape), "float32")
         ours, base = tf_grads(fused, [x, g], dy)[1], tf_grads(unfused, [x, g], dy)[1]
