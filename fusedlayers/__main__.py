@@ -62,6 +62,8 @@ def bench(argv: list[str]) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--peers", action="store_true",
                         help="add Liger-Kernel's and QuACK's kernels where they import (CUDA)")
+    parser.add_argument("--no-tensorflow", action="store_true",
+                        help="skip the TensorFlow rows (CPU; they run where the op library loads)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart")
@@ -103,7 +105,7 @@ def bench(argv: list[str]) -> int:
     from fusedlayers import bench as b
     rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
                            not args.no_compile, args.reps, tuple(args.ops.split(",")),
-                           args.peers)
+                           args.peers, not args.no_tensorflow)
     print(b.format_table(rows, ceilings, name))
     if args.json:
         b.write_json(args.json, rows, ceilings, name)

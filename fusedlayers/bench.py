@@ -6,9 +6,11 @@ Memory-bound ops (relu_scale, layer_norm, rms_norm) report GB/s over the fewest 
 forward: layer_norm's input, relu_scale's sign bits) and the percentage of the measured copy
 bandwidth (bytes read + written by a large tensor copy); their forward also gets a "copy" row, a
 copy of the input moving the same bytes, which is the floor at that size (a small op pays launch
-and tail costs that the large copy amortizes). linear_gelu reports TFLOP/s over
+and tail costs that the large copy amortizes); under half dtypes a "fused-w32" row runs the
+same op with float32 parameters (mixed precision's layout). linear_gelu reports TFLOP/s over
 2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of the measured
-GEMM rate of the same dtype. Times are medians. On CUDA each variant is captured once in a CUDA
+GEMM rate of the same dtype, with a "gemm" row: the bare GEMMs of the same shape, the floor
+under any epilogue. Times are medians. On CUDA each variant is captured once in a CUDA
 graph and its replays are timed with CUDA events (triton.testing.do_bench when present), so the
 numbers are the kernels' and not Python's launch overhead; a variant that cannot be captured is
 timed directly. On the CPU: the wall clock around synchronous calls.
@@ -87,6 +89,25 @@ def _median_ms(fn, device: torch.device, reps: int, graph: bool = True) -> float
     return statistics.median(times)
 
 
+def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
+    """The median ms of each of fns, by name. On the CPU they run interleaved, one call of each
+    per round, so a host whose speed drifts (shared cores, clock changes) slows every variant
+    alike instead of whichever ran during a slow spell."""
+    if device.type == "cuda":
+        # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
+        return {name: _median_ms(fn, device, reps, graph=name != "copy")
+                for name, fn in fns.items()}
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def copy_bandwidth_gbs(device: torch.device, reps: int) -> float:
     """Bytes read + written per second by a device-to-device copy of a large tensor."""
     n = (1 << 28) if device.type == "cuda" else (1 << 25)
@@ -139,10 +160,8 @@ def _peers(op: str, x, w, b, eps: float) -> dict:
     return peers
 
 
-def _cases(device: torch.device, quick: bool, peers: bool = False):
-    """(op, shape, builder) where builder(dtype) -> (fused_fn, unfused_fn, inputs, work,
-    extra_fwd, extra): extra_fwd holds more forward-only variants by name, extra more variants
-    of both passes (the peers)."""
+def shapes(device: torch.device, quick: bool) -> dict:
+    """The shapes each op is timed at on `device`: (rows, cols), or linear_gelu's (m, k, n)."""
     cuda = device.type == "cuda"
     ew_shapes = [(32768, 4096)] if cuda else [(1024, 1024)]
     ln_shapes = ([(32768, 768), (32768, 1024), (32768, 2048), (32768, 4096), (8192, 8192),
@@ -150,6 +169,19 @@ def _cases(device: torch.device, quick: bool, peers: bool = False):
     lin_shapes = ([(8192, 4096, 16384), (4096, 1024, 4096)] if cuda else [(2048, 512, 2048)])
     if quick:
         ew_shapes, ln_shapes, lin_shapes = ew_shapes[:1], ln_shapes[:1], lin_shapes[-1:]
+    return {"relu_scale": ew_shapes, "layer_norm": ln_shapes, "rms_norm": ln_shapes,
+            "linear_gelu": lin_shapes}
+
+
+def _cases(device: torch.device, quick: bool, peers: bool = False):
+    """(op, shape, builder) where builder(dtype) -> (fused_fn, unfused_fn, inputs, work,
+    extra_fwd, extra): extra_fwd holds more forward-only variants by name, extra more variants
+    of both passes (the peers; a (fn, leaves) pair where the backward's leaves are not
+    `inputs`'s parameters)."""
+    cuda = device.type == "cuda"
+    sizes = shapes(device, quick)
+    ew_shapes, ln_shapes, lin_shapes = (sizes[op] for op in ("relu_scale", "layer_norm",
+                                                              "linear_gelu"))
 
     def rand(*shape, dtype):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
@@ -160,21 +192,31 @@ def _cases(device: torch.device, quick: bool, peers: bool = False):
             return (lambda: fused.relu_scale(x, 0.5), lambda: reference.relu_scale(x, 0.5), [x],
                     x.numel() * x.element_size(), {}, {})
         yield "relu_scale", f"{rows}x{cols}", relu_case
+    def fp32_params(dtype, fn, *params):
+        """For half inputs, the fused op again with float32 parameters (mixed precision's
+        layout): "fused-w32", timed beside the same-dtype parameters of the "fused" row."""
+        if dtype not in (torch.float16, torch.bfloat16):
+            return {}
+        params32 = [p.detach().float().requires_grad_() for p in params]
+        return {"fused-w32": (lambda: fn(*params32), params32)}
+
     for rows, cols in ln_shapes:
         def ln_case(dtype, rows=rows, cols=cols):
             x, w, b = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
-            return (lambda: fused.layer_norm(x, cols, w, b),
-                    lambda: reference.layer_norm(x, cols, w, b), [x, w, b],
+            fused_ln = lambda w, b: fused.layer_norm(x, cols, w, b)  # noqa: E731
+            return (lambda: fused_ln(w, b), lambda: reference.layer_norm(x, cols, w, b), [x, w, b],
                     x.numel() * x.element_size(), {},
-                    _peers("layer_norm", x, w, b, 1e-5) if peers else {})
+                    {**fp32_params(dtype, fused_ln, w, b),
+                     **(_peers("layer_norm", x, w, b, 1e-5) if peers else {})})
         yield "layer_norm", f"{rows}x{cols}", ln_case
     for rows, cols in ln_shapes:
         def rms_case(dtype, rows=rows, cols=cols):
             x, w = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
-            return (lambda: fused.rms_norm(x, cols, w, 1e-6),
-                    lambda: F.rms_norm(x, (cols,), w, 1e-6), [x, w],
+            fused_rms = lambda w: fused.rms_norm(x, cols, w, 1e-6)  # noqa: E731
+            return (lambda: fused_rms(w), lambda: F.rms_norm(x, (cols,), w, 1e-6), [x, w],
                     x.numel() * x.element_size(), {},
-                    _peers("rms_norm", x, w, None, 1e-6) if peers else {})
+                    {**fp32_params(dtype, fused_rms, w),
+                     **(_peers("rms_norm", x, w, None, 1e-6) if peers else {})})
         yield "rms_norm", f"{rows}x{cols}", rms_case
     for m, k, n in lin_shapes:
         def lin_case(dtype, m=m, k=k, n=n):
@@ -183,14 +225,20 @@ def _cases(device: torch.device, quick: bool, peers: bool = False):
             extra = {"fused-tanh": lambda: fused.linear_gelu(x, w, b, "tanh")}
             if cuda:
                 extra["addmm-act"] = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+            # The bare GEMMs of the same shape (forward; with the backward, dgrad and wgrad too):
+            # the floor under any epilogue.
+            gemm = {"gemm": (lambda: x @ w.t(), [w])}
             return (lambda: fused.linear_gelu(x, w, b), lambda: reference.linear_gelu(x, w, b),
-                    [x, w, b], 2 * m * n * k, extra, {})
+                    [x, w, b], 2 * m * n * k, extra, gemm)
         yield "linear_gelu", f"({m}x{k})x({k}x{n})", lin_case
 
 
 def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
         compile: bool = True, reps: int = 20, op_names=OPS,
-        peers: bool = False) -> tuple[list[Row], dict]:
+        peers: bool = False, tensorflow: bool = True) -> tuple[list[Row], dict]:
+    """Rows of every op, shape, dtype, pass and variant, and the ceilings measured for them. On
+    the CPU, with `tensorflow` and the op library loadable, TensorFlow's rows follow each dtype's
+    torch rows (fusedlayers.bench_tf)."""
     unknown = set(op_names) - set(OPS)
     if unknown:
         raise ValueError(f"bench: ops must be among {OPS}, got {sorted(unknown)}")
@@ -212,26 +260,57 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
                     impls["compile"] = torch.compile(unfused)
                 if op != "linear_gelu" and pass_ == "fwd":
                     impls["copy"] = inputs[0].clone  # same bytes as the forward: the floor
+                timed = {}
                 for impl, fn in impls.items():
-                    timed = fn if pass_ == "fwd" else _fwd_bwd(fn, inputs)
+                    fn, leaves = fn if isinstance(fn, tuple) else (fn, inputs[1:])
+                    timed[impl] = fn if pass_ == "fwd" else _fwd_bwd(fn, [inputs[0], *leaves])
                     if pass_ == "fwd":
-                        timed = torch.no_grad()(timed)
-                    # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
-                    ms = _median_ms(timed, dev, reps, graph=impl != "copy")
-                    if op == "linear_gelu":
-                        flops = work * (1 if pass_ == "fwd" else 3)
-                        rate, unit = flops / ms / 1e9, "TFLOP/s"
-                        peak = ceilings[f"gemm_tflops_{dtype_name}"]
-                    else:
-                        # fwd: read x, write y; bwd adds read dy, write dx, and reads x again
-                        # (layer_norm) or writes and reads 1 bit per element (relu_scale).
-                        saved = 2 * work / (8 * inputs[0].element_size()) \
-                            if op == "relu_scale" else work
-                        nbytes = 2 * work if pass_ == "fwd" else 4 * work + saved
-                        rate, unit, peak = nbytes / ms / 1e6, "GB/s", ceilings["copy_gbs"]
-                    rows.append(Row(op, shape, dtype_name, pass_, impl, ms, rate, unit,
-                                    100 * rate / peak))
+                        timed[impl] = torch.no_grad()(timed[impl])
+                for impl, ms in _median_ms_each(timed, dev, reps).items():
+                    rows.append(_row(op, shape, dtype_name, pass_, impl, ms, work,
+                                     inputs[0].element_size(), ceilings))
+        if tensorflow and dev.type == "cpu" and _tensorflow_usable():
+            rows += _tensorflow_rows(quick, dtype_name, op_names, reps, ceilings)
     return rows, ceilings
+
+
+def _row(op: str, shape: str, dtype_name: str, pass_: str, impl: str, ms: float, work: int,
+         element_size: int, ceilings: dict) -> Row:
+    """A timing as a Row: TFLOP/s of the GEMMs (linear_gelu) or GB/s of the fewest bytes."""
+    if op == "linear_gelu":
+        flops = work * (1 if pass_ == "fwd" else 3)
+        rate, unit = flops / ms / 1e9, "TFLOP/s"
+        peak = ceilings[f"gemm_tflops_{dtype_name}"]
+    else:
+        # fwd: read x, write y; bwd adds read dy, write dx, and reads x again (the norms) or
+        # writes and reads 1 bit per element (relu_scale).
+        saved = 2 * work / (8 * element_size) if op == "relu_scale" else work
+        nbytes = 2 * work if pass_ == "fwd" else 4 * work + saved
+        rate, unit, peak = nbytes / ms / 1e6, "GB/s", ceilings["copy_gbs"]
+    return Row(op, shape, dtype_name, pass_, impl, ms, rate, unit, 100 * rate / peak)
+
+
+def _tensorflow_usable() -> bool:
+    try:
+        from .tensorflow import _op
+    except ImportError:
+        return False
+    return _op.LOAD_ERROR is None
+
+
+def _tensorflow_rows(quick: bool, dtype_name: str, op_names, reps: int, ceilings: dict) -> list:
+    """The same ops in TensorFlow on the CPU (fusedlayers.bench_tf), as "tf-fused" and
+    "tf-eager" rows, timed interleaved like the torch ones."""
+    from . import bench_tf
+    sizes = {op: s for op, s in shapes(torch.device("cpu"), quick).items() if op in op_names}
+    rows = []
+    for op, shape, work, element_size, impls in bench_tf.cases(sizes, dtype_name):
+        for pass_ in ("fwd", "fwd+bwd"):
+            timed = {impl: passes[pass_] for impl, passes in impls.items()}
+            for impl, ms in _median_ms_each(timed, torch.device("cpu"), reps).items():
+                rows.append(_row(op, shape, dtype_name, pass_, impl, ms, work, element_size,
+                                 ceilings))
+    return rows
 
 
 def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:

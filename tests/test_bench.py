@@ -15,7 +15,7 @@ from fusedlayers import bench, memory_bench as mem, model_bench
 
 def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
     rows, ceilings = bench.run("cpu", ("float32",), quick=True, compile=False, reps=2,
-                               op_names=("relu_scale", "layer_norm"))
+                               op_names=("relu_scale", "layer_norm"), tensorflow=False)
     assert {r.op for r in rows} == {"relu_scale", "layer_norm"}
     assert {(r.pass_, r.impl) for r in rows} == {("fwd", "fused"), ("fwd", "eager"),
                                                  ("fwd", "copy"), ("fwd+bwd", "fused"),
@@ -24,6 +24,23 @@ def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
     for r in rows:
         assert r.ms > 0 and r.unit == "GB/s"
         assert r.pct_of_peak == pytest.approx(100 * r.rate / ceilings["copy_gbs"])
+
+
+def test_run_half_precision_adds_float32_parameter_and_gemm_rows():
+    rows, _ = bench.run("cpu", ("bfloat16",), quick=True, compile=False, reps=1,
+                        op_names=("rms_norm", "linear_gelu"), tensorflow=False)
+    impls = {(r.op, r.pass_, r.impl) for r in rows}
+    assert {("rms_norm", p, "fused-w32") for p in ("fwd", "fwd+bwd")} <= impls
+    assert {("linear_gelu", p, "gemm") for p in ("fwd", "fwd+bwd")} <= impls
+
+
+def test_run_adds_tensorflow_rows_on_the_cpu():
+    pytest.importorskip("tensorflow")
+    rows, _ = bench.run("cpu", ("float32",), quick=True, compile=False, reps=1)
+    tf_rows = {(r.op, r.pass_, r.impl) for r in rows if r.impl.startswith("tf-")}
+    assert tf_rows == {(op, p, impl) for op in bench.OPS for p in ("fwd", "fwd+bwd")
+                       for impl in ("tf-fused", "tf-eager")}
+    assert all(r.ms > 0 for r in rows)
 
 
 def test_run_rejects_unknown_ops():
