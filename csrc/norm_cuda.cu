@@ -57,7 +57,7 @@ using ForwardShapes32 = std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<
                                    Shape<4, 4>, Shape<8, 4>, Shape<12, 4>, Shape<16, 4>,
                                    Shape<12, 8>, Shape<16, 8>, Shape<16, 16>>;
 // 16-bit rows of 2048 get two warps in the forward, not one warp with 64 fp32 registers of row
-// (twice the warps per SM for the same rows in flight: 96.5 against 100.3 us at 32768 x 2048).
+// (twice the warps per SM for the same rows in flight; docs/DESIGN.md has the measurements).
 // The backward has 8-warp rows up to 8192 bf16 cols: more rows in flight than 16 warps with
 // half the elements each, whose fixed registers cost more than the row's.
 using BackwardShapes16 =
@@ -285,8 +285,7 @@ constexpr size_t backward_smem_bytes(bool partial) {
 // dx for each row from registers; with `partial`, adds this slot's dgamma/dbeta contributions
 // to its accumulators and finally writes the block's row of partials. gamma is read from its
 // staged float plane: a 16-bit gamma loaded and converted per row and element costs the
-// instruction-bound backward several percent (measured on an H100, bf16 rows of 4096: 336 us
-// against 309 us with a float32 gamma read from global memory).
+// instruction-bound backward several percent (docs/DESIGN.md, CUDA kernels).
 template <typename T, typename P, int N, typename S, int kSums>
 __global__ void __launch_bounds__(S::kBlock)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
