@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedlayers as fl
-from _helpers import assert_bitwise, concurrent_mismatches
+from _helpers import assert_bitwise, concurrent_mismatches, rel_err
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -20,16 +20,12 @@ pytestmark = [pytest.mark.cuda,
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def rel_err(a, ref):
-    a, ref = a.double(), ref.double()
-    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def assert_close(ours, torch_own, ref, dtype, what):
-    """ours must be about as close to the reference as torch's own result in this dtype (sums
-    over 32768 rows carry ~1e-5 relative error even in float32)."""
-    err = rel_err(ours, ref)
-    bound = 2 * rel_err(torch_own, ref) + (1e-5 if dtype == torch.float32 else 1e-3)
+def assert_close(ours, torch_own, ref, dtype, what, scale=None):
+    """ours must be about as close to the float64 reference as torch's own result in this dtype;
+    scale: the size of the terms a parameter gradient sums over the rows (see rel_err), so a sum
+    that cancels to nearly zero is judged against what was summed."""
+    err = rel_err(ours, ref, scale)
+    bound = 2 * rel_err(torch_own, ref, scale) + (1e-5 if dtype == torch.float32 else 1e-3)
     assert err <= bound, f"{what}: relative error {err:.3e} > {bound:.3e}"
 
 
@@ -45,9 +41,9 @@ def test_layer_norm_matches_torch(rows, cols, dtype):
     y = fl.layer_norm(x, cols, w, b)
     dy = torch.randn_like(y)
     gx, gw, gb = torch.autograd.grad(y, (x, w, b), dy)
-    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     yr = F.layer_norm(xr, (cols,), wr, br)
-    rx, rw, rb = torch.autograd.grad(yr, (xr, wr, br), dy.float())
+    rx, rw, rb = torch.autograd.grad(yr, (xr, wr, br), dy.double())
     yh = F.layer_norm(x, (cols,), w, b)  # torch in the test dtype
     hx, hw, hb = torch.autograd.grad(yh, (x, w, b), dy)
     if rows == 0:
@@ -56,8 +52,9 @@ def test_layer_norm_matches_torch(rows, cols, dtype):
     assert_close(y, yh, yr, dtype, "y")
     if cols > 1:  # with one column x - mean is 0: dx and dgamma are exactly 0
         assert_close(gx, hx, rx, dtype, "dx")
-        assert_close(gw, hw, rw, dtype, "dgamma")
-    assert_close(gb, hb, rb, dtype, "dbeta")
+        xhat = F.layer_norm(xr.detach(), (cols,))
+        assert_close(gw, hw, rw, dtype, "dgamma", (dy.double() * xhat).abs().sum(0))
+    assert_close(gb, hb, rb, dtype, "dbeta", dy.double().abs().sum(0))
 
 
 @pytest.mark.parametrize("rows,cols", [(32769, 65536), (2**21 + 3, 1024)])
@@ -166,21 +163,6 @@ def test_layer_norm_rms_mode_gradients(offset):
     assert_close(gw, hw, rw, torch.float32, "dgamma")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_relu_scale_bitwise_with_torch(dtype):
-    x = torch.randn(1000, 4099, device="cuda", dtype=dtype)
-    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    for t in (x, x[:, 1:], x.t()):  # aligned, misaligned, transposed
-        t = t.detach().requires_grad_()
-        y = fl.relu_scale(t, 0.7)
-        assert_bitwise(y, torch.relu(t) * 0.7)  # NaN where NaN, +-Inf where +-Inf
-        dy = torch.randn_like(y)
-        (g,) = torch.autograd.grad(y, t, dy)
-        t2 = t.detach().requires_grad_()
-        (g2,) = torch.autograd.grad(torch.relu(t2) * 0.7, t2, dy)
-        assert torch.equal(g, g2)
-
-
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
 @pytest.mark.parametrize("n", [1, 31, 33, 4099, 1 << 20, (1 << 20) + 45])
 def test_relu_scale_mask_matches_cpu(dtype, n):
@@ -210,32 +192,6 @@ def test_relu_scale_beyond_int32_elements():
         sl = slice(start, start + 2**20)
         assert torch.equal(y[sl], torch.relu(x[sl]) * -1.5)
         assert torch.equal(dx[sl], torch.where(x[sl] > 0, -1.5, 0.0).bfloat16())
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("m,k,n", [(0, 64, 64), (1, 64, 64), (33, 100, 70), (512, 1024, 4096)])
-def test_linear_gelu_matches_torch(m, k, n, bias, approximate, dtype):
-    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True)
-    w = (torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5).requires_grad_()
-    b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) if bias else None
-    params = (x, w) + ((b,) if bias else ())
-    y = fl.linear_gelu(x, w, b, approximate)
-    dy = torch.randn_like(y)
-    grads = torch.autograd.grad(y, params, dy)
-    ref_params = tuple(t.detach().double().requires_grad_() for t in params)
-    yr = F.gelu(F.linear(ref_params[0], ref_params[1], ref_params[2] if bias else None),
-                approximate=approximate)
-    ref_grads = torch.autograd.grad(yr, ref_params, dy.double())
-    yh = F.gelu(F.linear(x, w, b), approximate=approximate)
-    half_grads = torch.autograd.grad(yh, params, dy)
-    if m == 0:
-        assert y.shape == (0, n) and all((g == 0).all() for g in grads[1:])
-        return
-    assert_close(y, yh, yr, dtype, "y")
-    for name, g, h, r in zip(("dx", "dW", "db"), grads, half_grads, ref_grads):
-        assert_close(g, h, r, dtype, name)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -348,22 +304,6 @@ def test_second_device_same_bits_its_stream_nothing_on_the_first(dtype):
                 assert_bitwise(a.cpu(), b)
             assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0) == before, (
                 f"{name}, current device {current}: allocated on cuda:0")
-
-
-def test_opcheck_cuda():
-    x = torch.randn(3, 5, 768, device="cuda", requires_grad=True)
-    w = torch.randn(768, device="cuda", requires_grad=True)
-    W = torch.randn(64, 768, device="cuda", requires_grad=True)
-    W_in_out = torch.randn(768, 64, device="cuda").t()
-    ops = torch.ops.fusedlayers
-    torch.library.opcheck(ops.relu_scale, (x, 0.5))
-    torch.library.opcheck(ops.layer_norm, (x, [768], w, w, 1e-5, False))
-    torch.library.opcheck(ops.linear_gelu, (x, W, None, "tanh"))
-    torch.library.opcheck(ops.linear_gelu, (x, W_in_out.requires_grad_(), w[:64], "none"))
-    _, pre = ops.linear_gelu_with_pre(x.detach(), W_in_out.detach(), None, "tanh")
-    torch.library.opcheck(ops.linear_gelu_with_pre, (x.detach(), W_in_out.detach(), None, "tanh"))
-    torch.library.opcheck(ops.linear_gelu_backward,
-                          (torch.randn_like(pre), x.detach(), W_in_out.detach(), pre, False, "tanh"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

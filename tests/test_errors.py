@@ -47,16 +47,6 @@ def test_layer_norm_non_float_input(dtype):
         fusedlayers.layer_norm(torch.ones(3, 7, dtype=dtype), 7)
 
 
-@pytest.mark.parametrize("arg", ("weight", "bias"))
-@pytest.mark.parametrize("shape", ((6,), (7, 1), (1, 7)))
-def test_layer_norm_param_shape(arg, shape):
-    kwargs = {arg: torch.ones(shape)}
-    got = re.escape(str(list(shape)))
-    with pytest.raises(ValueError, match=rf"layer_norm: {arg} must have shape normalized_shape "
-                                         rf"\[7\], got {got}"):
-        fusedlayers.layer_norm(x37(), 7, **kwargs)
-
-
 @pytest.mark.parametrize("x_dtype,w_dtype,b_dtype,match", [
     (torch.float32, torch.float64, None, r"weight must have input's dtype float32, got float64"),
     (torch.float32, None, torch.float16, r"bias must have input's dtype float32, got float16"),
@@ -73,15 +63,6 @@ def test_layer_norm_param_dtype(x_dtype, w_dtype, b_dtype, match):
     b = None if b_dtype is None else torch.zeros(7, dtype=b_dtype)
     with pytest.raises(TypeError, match=match):
         fusedlayers.layer_norm(x37().to(x_dtype), 7, w, b)
-
-
-@pytest.mark.parametrize("eps", (math.nan, math.inf, -math.inf, -1e-5))
-def test_layer_norm_bad_eps(eps):
-    with pytest.raises(ValueError, match=rf"layer_norm: eps must be finite and >= 0, got "
-                                         rf"{re.escape(str(eps))}"):
-        fusedlayers.layer_norm(x37(), 7, eps=eps)
-    with pytest.raises(ValueError, match=r"eps must be finite"):
-        LayerNorm(7, eps=eps)(x37())
 
 
 # ---------------------------------------------------------------- linear_gelu
@@ -124,29 +105,7 @@ def test_linear_gelu_weight_not_2d(shape):
         fusedlayers.linear_gelu(x37(), torch.ones(shape))
 
 
-@pytest.mark.parametrize("shape", ((4,), (1, 5), (6,)))
-def test_linear_gelu_bias_shape(shape):
-    got = re.escape(str(list(shape)))
-    with pytest.raises(ValueError, match=rf"bias must have shape \(out_features,\) = \(5,\), "
-                                         rf"got {got}"):
-        fusedlayers.linear_gelu(x37(), torch.ones(5, 7), torch.ones(shape))
-
-
-@pytest.mark.parametrize("approximate", ("foo", "erf", "", "None", "TANH"))
-def test_linear_gelu_bad_approximate(approximate):
-    with pytest.raises(ValueError, match=rf"linear_gelu: approximate must be 'none' or 'tanh', "
-                                         rf"got '{approximate}'"):
-        fusedlayers.linear_gelu(x37(), torch.ones(5, 7), None, approximate)
-
-
 # ---------------------------------------------------------------- relu_scale
-
-@pytest.mark.parametrize("alpha", (math.nan, math.inf, -math.inf))
-def test_relu_scale_non_finite_alpha(alpha):
-    with pytest.raises(ValueError, match=rf"relu_scale: alpha must be finite, got "
-                                         rf"{re.escape(str(alpha))}"):
-        fusedlayers.relu_scale(x37(), alpha)
-
 
 @pytest.mark.parametrize("dtype", (torch.int32, torch.uint8, torch.bool, torch.complex64))
 def test_relu_scale_non_float(dtype):

@@ -41,25 +41,12 @@ def _both_modes(fn):
 # --------------------------------------------------------------------------------------------
 # shapes
 
-def test_layer_norm_wrong_last_dim(data):
-    for mode, f in _both_modes(lambda: fl.layer_norm(data["x"], 8)):
-        with pytest.raises(IAE, match=r"normalized_shape \[8\].*\(3, 7\)"):
-            f()
-
-
 def test_layer_norm_wrong_trailing_dims_multi(rng):
     x = tf.constant(rng.normal((2, 3, 4)), tf.float32)
     with pytest.raises(IAE, match=r"last 2 dimension\(s\).*normalized_shape \[3, 5\].*\(2, 3, 4\)"):
         fl.layer_norm(x, [3, 5])
     with pytest.raises(IAE, match=r"normalized_shape \[2, 3, 4, 1\]"):
         fl.layer_norm(x, [2, 3, 4, 1])  # more dims than x has
-
-
-def test_linear_gelu_wrong_last_dim(data):
-    w6 = tf.ones([5, 6])
-    for mode, f in _both_modes(lambda: fl.linear_gelu(data["x"], w6)):
-        with pytest.raises(IAE, match=r"in_features = 6.*\(3, 7\)"):
-            f()
 
 
 def test_linear_gelu_weight_not_2d(data):
@@ -70,22 +57,6 @@ def test_linear_gelu_weight_not_2d(data):
 def test_linear_gelu_scalar_x(data):
     with pytest.raises(IAE, match=r"in_features = 7.*shape \(\)"):
         fl.linear_gelu(tf.constant(1.0), data["w"])
-
-
-def test_linear_gelu_bias_wrong_shape(data):
-    with pytest.raises(IAE, match=r"bias must have shape \(5,\), got \(4,\)"):
-        fl.linear_gelu(data["x"], data["w"], tf.ones([4]))
-
-
-@pytest.mark.parametrize("which", ["weight", "bias"])
-def test_layer_norm_param_wrong_shape(data, which):
-    """A mismatched weight / bias: the message names it with the expected and the received
-    shape."""
-    bad = tf.ones([6])
-    kwargs = {"weight": data["g"], "bias": data["beta"], which: bad}
-    for mode, f in _both_modes(lambda: fl.layer_norm(data["x"], 7, **kwargs)):
-        with pytest.raises(IAE, match=rf"{which} must have shape normalized_shape \[7\], got \[6\]"):
-            f()
 
 
 def test_layer_norm_multi_dim_gamma_shape(rng):
@@ -112,28 +83,6 @@ def test_non_float_x(data, op, dtype):
 def test_linear_gelu_int_weight(data):
     with pytest.raises(IAE, match=r"weight must be float32.*got int32"):
         fl.linear_gelu(data["x"], tf.cast(data["w"], tf.int32))
-
-
-@pytest.mark.parametrize("which", ["weight", "bias"])
-def test_linear_gelu_dtype_mismatch(data, which):
-    args = {"weight": data["w"], "bias": data["b"]}
-    args[which] = tf.cast(args[which], tf.float64)
-    with pytest.raises(IAE, match=rf"{which} must have x's dtype float32, got float64"):
-        fl.linear_gelu(data["x"], args["weight"], args["bias"])
-
-
-def test_linear_gelu_half_weight_for_float_x(data):
-    with pytest.raises(IAE, match=r"weight must have x's dtype float32, got bfloat16"):
-        fl.linear_gelu(data["x"], tf.cast(data["w"], tf.bfloat16))
-
-
-@pytest.mark.parametrize("which", ["weight", "bias"])
-def test_layer_norm_param_dtype_float64_for_float32_x(data, which):
-    """A single parameter of the wrong dtype (the other absent)."""
-    args = {"weight": None, "bias": None}
-    args[which] = tf.cast(data["g"], tf.float64)
-    with pytest.raises(IAE, match=rf"{which} must have input's dtype float32, got float64"):
-        fl.layer_norm(data["x"], 7, args["weight"], args["bias"])
 
 
 @pytest.mark.parametrize("half", [tf.float16, tf.bfloat16])
@@ -173,13 +122,6 @@ def test_layer_norm_bad_eps(data, eps):
             f()
     with pytest.raises(IAE, match=r"eps must be finite"):
         layer_norm_trailing(data["x"], 1, eps=eps, rms_scaling=True)
-
-
-@pytest.mark.parametrize("alpha", [math.nan, math.inf, -math.inf])
-def test_relu_scale_non_finite_alpha(data, alpha):
-    for mode, f in _both_modes(lambda: fl.relu_scale(data["x"], alpha)):
-        with pytest.raises(IAE, match=rf"alpha must be finite, got {alpha}"):
-            f()
 
 
 def test_relu_scale_alpha_overflowing_float32(data):

@@ -4,7 +4,7 @@ its gradient. Same contract as fusedlayers.torch.rms_norm; csrc/rms_norm.h check
 
 from collections.abc import Sequence
 
-import numpy as np
+import ml_dtypes
 import tensorflow as tf
 
 from .. import _args
@@ -31,7 +31,8 @@ def rms_norm_trailing(x, norm_ndims: int, weight=None, eps: float | None = None,
     """RMSNorm of the trailing norm_ndims dims (the shape checks are the op's)."""
     tensors = {"x": x} if weight is None else {"x": x, "weight": weight}
     x, *w = _op.prepare("rms_norm", **tensors)
-    eps = float(np.finfo(x.dtype.as_numpy_dtype).eps) if eps is None else \
+    # ml_dtypes' finfo knows bfloat16 (NumPy's does not)
+    eps = float(ml_dtypes.finfo(x.dtype.as_numpy_dtype).eps) if eps is None else \
         _args.real("fusedlayers.rms_norm", "eps", eps)
     if not (0 <= eps <= _op.FLOAT32_MAX):  # the op attribute is float32 (NaN fails too)
         raise _op.invalid(f"fusedlayers.rms_norm: eps must be finite and >= 0 as a float32 "

@@ -14,9 +14,12 @@ rms_norm_op = _op.handle("rms_norm")
 
 
 def _eps(eps: float | None, x: torch.Tensor) -> float:
-    """torch's eps=None: the machine epsilon of x's dtype."""
-    return torch.finfo(x.dtype).eps if eps is None else _args.real("fusedlayers.rms_norm", "eps",
-                                                                      eps)
+    """torch's eps=None: the machine epsilon of x's dtype (any value for a non-float x: the op
+    rejects its dtype)."""
+    if eps is not None:
+        return _args.real("fusedlayers.rms_norm", "eps", eps)
+    floating = isinstance(x, torch.Tensor) and x.is_floating_point()
+    return torch.finfo(x.dtype).eps if floating else 0.0
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],

@@ -1,0 +1,314 @@
+"""One table entry per op (the idea of PyTorch's OpInfo): its sample inputs, its unfused
+reference and its bad inputs. `test_ops.py` turns every entry into the op's torch tests (CPU and
+CUDA), TensorFlow tests, torch<->TF parity, gradcheck / tf.test.compute_gradient, opcheck and
+argument-error tests, so a new op adds an entry here and its own op-specific tests only.
+
+A sample is a static description (the shapes and non-tensor arguments, which name the test);
+its values are drawn from the test's seeded rng in float64 and rounded to the dtype under test
+the same way for both frameworks. The reference is the unfused computation written with stock
+torch ops (`fusedlayers.reference`, torch.nn.functional): in float64 it is the truth, in the
+dtype under test it is the baseline whose error the fused op's error is calibrated against."""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fusedlayers import reference
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    shapes: dict            # tensor argument -> shape, in call order (x first); None: absent
+    kwargs: dict = field(default_factory=dict)  # the other arguments
+    params_f32: bool = False  # parameters in float32 under half x (else in x's dtype)
+    layout: str = "contiguous"  # x's layout in the torch tests (_helpers.as_layout)
+    cuda_only: bool = False   # a size that exercises a CUDA path and is slow on the CPU
+
+    def numel(self) -> int:
+        return math.prod(self.shapes["x"])
+
+
+@dataclass(frozen=True)
+class ErrorInput:
+    id: str
+    tensors: dict           # argument -> (shape, dtype name), in call order
+    kwargs: dict
+    type_error: bool        # torch raises TypeError (dtypes, types), else ValueError; TF
+    match: str              # raises InvalidArgumentError; the regex must match both messages
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str                # fusedlayers.<name>, called with keyword arguments
+    samples: tuple
+    draw: Callable           # (rng, sample) -> {argument: float64 ndarray or None}
+    reference: Callable      # (**torch tensors, **kwargs) -> y, unfused, at any dtype
+    errors: tuple = ()
+    exact: bool = False      # the fused op rounds once, as the unfused one: results bitwise equal
+    bitwise_parity: bool = True  # torch and TF run the same csrc kernels end to end
+    ulps: float = 1.0        # rounding noise allowed on few-element results (assert_calibrated)
+    # (tensors64, dy64, kwargs) -> {"d<arg>": magnitude of the terms summed into that gradient}
+    grad_scales: Callable = lambda t, dy, kw: {}
+    # (kwargs, x's dtype) -> the kwargs that give the float64 reference the same math (a
+    # default that depends on the dtype, as rms_norm's eps=None, made explicit)
+    reference_kwargs: Callable = lambda kw, dtype: kw
+
+
+# ---------------------------------------------------------------- relu_scale
+
+def _relu_scale_samples():
+    # alpha exactly a float32: TF takes it as a float32 op attribute
+    out = [Sample(f"{list(s)}-alpha{a}", {"x": s}, {"alpha": a})
+           for s, a in [((0,), 1.0), ((), -1.5), ((1,), 0.375), ((7,), -1.5), ((33, 1000), 0.375),
+                        ((2, 3, 4097), 1.0), ((0, 5), 2.0), ((4, 9), 0.0)]]
+    out += [Sample(f"[33, 1000]-{lay}", {"x": (33, 1000)}, {"alpha": 0.625}, layout=lay)
+            for lay in ("transposed", "sliced", "expanded")]
+    out.append(Sample("[1048621]", {"x": ((1 << 20) + 45,)}, {"alpha": 1.25}, cuda_only=True))
+    return tuple(out)
+
+
+def _relu_scale_draw(rng, s):
+    return {"x": rng.normal(s.shapes["x"], scale=2.0)}
+
+
+RELU_SCALE = OpInfo(
+    "relu_scale", _relu_scale_samples(), _relu_scale_draw, reference.relu_scale, exact=True,
+    errors=(
+        *(ErrorInput(f"alpha-{a}", {"x": ((3, 7), "float32")}, {"alpha": a}, False,
+                     rf"fusedlayers\.relu_scale: alpha must be finite, got {a}")
+          for a in (math.nan, math.inf, -math.inf)),
+        ErrorInput("int-x", {"x": ((3, 7), "int32")}, {"alpha": 2.0}, True,
+                   r"fusedlayers\.relu_scale: (x|input) must be float32, float64, float16 or "
+                   r"bfloat16, got (int32|Int)"),
+    ))
+
+
+# ---------------------------------------------------------------- linear_gelu
+
+def _linear_gelu_samples():
+    out = []
+    for lead, k, n in [((0,), 7, 4), ((1,), 1, 7), ((33,), 7, 33), ((4, 33), 100, 77),
+                       ((2, 5), 33, 1), ((), 9, 5), ((2, 4097), 9, 3)]:
+        for approximate in ("none", "tanh"):
+            for bias in (True, False):
+                out.append(Sample(f"{list(lead)}x{k}->{n}-{approximate}-{'bias' if bias else 'nobias'}",
+                                  {"x": (*lead, k), "weight": (n, k), "bias": (n,) if bias else None},
+                                  {"approximate": approximate}))
+    out += [Sample(f"[40, 33]x33->17-{lay}", {"x": (40, 33), "weight": (17, 33), "bias": (17,)},
+                   {"approximate": "none"}, layout=lay) for lay in ("transposed", "sliced")]
+    # cuBLASLt's bias+GELU epilogue (tanh, n % 8 == 0) and large GEMM tiles
+    out += [Sample(f"[512]x1024->4096-{a}", {"x": (512, 1024), "weight": (4096, 1024),
+                                            "bias": (4096,)}, {"approximate": a}, cuda_only=True)
+            for a in ("none", "tanh")]
+    return tuple(out)
+
+
+def _linear_gelu_draw(rng, s):
+    n, k = s.shapes["weight"]
+    return {"x": rng.normal(s.shapes["x"]),
+            "weight": rng.normal((n, k), scale=1.5 / math.sqrt(max(k, 1))),
+            "bias": None if s.shapes["bias"] is None else rng.normal(n, scale=0.5)}
+
+
+def _linear_gelu_scales(t, dy, kw):
+    """|gelu'| < 1.13: the GEMMs of the backward sum terms of at most 1.13 |dy| |x| (|W|)."""
+    g = 1.13 * dy.abs().reshape(-1, dy.shape[-1]) if dy.dim() else 1.13 * dy.abs().reshape(1, 1)
+    x = t["x"].abs().reshape(-1, t["weight"].shape[1])
+    return {"dx": (g @ t["weight"].abs()).reshape(t["x"].shape), "dweight": g.T @ x,
+            "dbias": g.sum(0)}
+
+
+LINEAR_GELU = OpInfo(
+    "linear_gelu", _linear_gelu_samples(), _linear_gelu_draw, reference.linear_gelu,
+    bitwise_parity=False, grad_scales=_linear_gelu_scales,
+    # On the CPU the GEMM's output is rounded to x's dtype before the bias is added (the
+    # framework's GEMM, then csrc's bias+GELU): where the bias cancels it, that is an ulp of
+    # more than y.
+    ulps=4.0,
+    errors=(
+        ErrorInput("in_features", {"x": ((3, 7), "float32"), "weight": ((5, 6), "float32")}, {},
+                   False, r"linear_gelu: the last dimension of (input|x) must equal in_features "
+                          r"= (weight\.shape\[1\] = )?6, got (input|x) of shape .3, 7."),
+        ErrorInput("weight-1d", {"x": ((3, 7), "float32"), "weight": ((7,), "float32")}, {},
+                   False, r"linear_gelu: weight must be 2-D"),
+        ErrorInput("bias-shape", {"x": ((3, 7), "float32"), "weight": ((5, 7), "float32"),
+                                  "bias": ((4,), "float32")}, {},
+                   False, r"linear_gelu: bias must have shape \((out_features,\) = \()?5,\), "
+                          r"got .4,?."),
+        ErrorInput("weight-dtype", {"x": ((3, 7), "float32"), "weight": ((5, 7), "float64")}, {},
+                   True, r"linear_gelu: weight must have (input|x)'s dtype float32, got float64"),
+        ErrorInput("half-weight", {"x": ((3, 7), "float32"), "weight": ((5, 7), "bfloat16")}, {},
+                   True, r"linear_gelu: weight must have (input|x)'s dtype float32, got bfloat16"),
+        ErrorInput("bias-dtype", {"x": ((3, 7), "float32"), "weight": ((5, 7), "float32"),
+                                  "bias": ((5,), "float64")}, {},
+                   True, r"linear_gelu: bias must have (input|x)'s dtype float32, got float64"),
+        *(ErrorInput(f"approximate-{a}", {"x": ((3, 7), "float32"),
+                                          "weight": ((5, 7), "float32")}, {"approximate": a},
+                     False, rf"linear_gelu: approximate must be 'none' or 'tanh', got '{a}'")
+          for a in ("erf", "TANH", "")),
+        ErrorInput("int-x", {"x": ((3, 7), "int32"), "weight": ((5, 7), "int32")}, {}, True,
+                   r"linear_gelu: (x|input) must be float32, float64, float16 or bfloat16, "
+                   r"got (int32|Int)"),
+    ))
+
+
+# ---------------------------------------------------------------- layer_norm and rms_norm
+
+def _norm_shapes():
+    """(x shape, normalized_shape): odd widths, 0/1/many rows, multi-dim normalized_shape."""
+    return [((0, 7), (7,)), ((1, 1), (1,)), ((33, 7), (7,)), ((33, 1000), (1000,)),
+            ((3, 5, 768), (768,)), ((3, 4097), (4097,)), ((2, 3, 5, 7), (5, 7)), ((7,), (7,))]
+
+
+def _norm_samples(params, kwargs, layout_params):
+    out = []
+    for shape, ns in _norm_shapes():
+        for pid, present in params:
+            for f32 in (False, True):
+                if f32 and not any(present.values()):
+                    continue
+                shapes = {"x": shape, **{k: ns if on else None for k, on in present.items()}}
+                out.append(Sample(f"{list(shape)}/{list(ns)}-{pid}{'-f32' if f32 else ''}",
+                                  shapes, {"normalized_shape": ns, **kwargs}, params_f32=f32))
+    for lay in ("transposed", "sliced", "expanded"):
+        out.append(Sample(f"[40, 33]/[33]-{lay}", {"x": (40, 33), **layout_params((33,))},
+                          {"normalized_shape": (33,), **kwargs}, layout=lay))
+    out.append(Sample("[4, 6, 10]/[6, 10]-transposed", {"x": (4, 6, 10), **layout_params((6, 10))},
+                      {"normalized_shape": (6, 10), **kwargs}, layout="transposed"))
+    # the CUDA kernel shapes: one warp a row, two warps, a block a row, beyond the block
+    out += [Sample(f"[{r}, {c}]/[{c}]", {"x": (r, c), **layout_params((c,))},
+                   {"normalized_shape": (c,), **kwargs}, cuda_only=True)
+            for r, c in ((4099, 768), (1031, 2048), (257, 12288), (33, 65536))]
+    return tuple(out)
+
+
+def _norm_draw(rng, s):
+    """Rows with a random offset and scale (the mean matters), parameters around 1 and 0."""
+    x = rng.normal(s.shapes["x"], loc=rng.uniform(-2, 2), scale=rng.uniform(0.5, 2))
+    out = {"x": x}
+    for name, shape in s.shapes.items():
+        if name != "x":
+            out[name] = None if shape is None else rng.normal(
+                shape, loc=1.0 if name == "weight" else 0.0, scale=0.5)
+    return out
+
+
+def _trailing(t, ns):
+    return tuple(range(t.dim() - len(ns), t.dim())), tuple(range(t.dim() - len(ns)))
+
+
+def _layer_norm_scales(t, dy, kw):
+    """With gy = dy * gamma and xc = (x - mean) * rstd: dx = rstd (gy - mean(gy) - xc
+    mean(gy xc)), dgamma = sum dy xc, dbeta = sum dy: each judged against the size of its terms
+    where it cancels. xc is itself x rstd - mean rstd: a constant row's true dgamma is 0, and a
+    float64 reference's is the rounding of those two terms."""
+    axes, lead = _trailing(t["x"], kw["normalized_shape"])
+    x = t["x"]
+    mean = x.mean(axes, keepdim=True)
+    rstd = 1 / ((x - mean).pow(2).mean(axes, keepdim=True) + kw["eps"]).sqrt()
+    xc = ((x - mean) * rstd).abs()
+    gy = dy.abs() * (1 if t.get("weight") is None else t["weight"].abs())
+    dx = rstd * (gy + gy.mean(axes, keepdim=True) + xc * (gy * xc).mean(axes, keepdim=True))
+    xs = (x.abs() + mean.abs()) * rstd
+    return {"dx": dx, "dweight": (dy.abs() * xs).sum(lead), "dbias": dy.abs().sum(lead)}
+
+
+def _f32(v):
+    """eps as a float32 value: TF takes it as a float32 op attribute."""
+    return float(np.float32(v))
+
+
+LAYER_NORM = OpInfo(
+    "layer_norm",
+    _norm_samples([("affine", {"weight": True, "bias": True}),
+                   ("weight", {"weight": True, "bias": False}),
+                   ("bias", {"weight": False, "bias": True}),
+                   ("none", {"weight": False, "bias": False})],
+                  {"eps": _f32(1e-5)}, lambda ns: {"weight": ns, "bias": ns}),
+    _norm_draw, reference.layer_norm, grad_scales=_layer_norm_scales,
+    errors=(
+        ErrorInput("trailing", {"x": ((3, 7), "float32")}, {"normalized_shape": 8}, False,
+                   r"layer_norm: the last 1 dimension\(s\) of (input|x) must equal "
+                   r"normalized_shape \[8\], got (input|x) of shape .3, 7."),
+        ErrorInput("trailing-2", {"x": ((3, 7), "float32")}, {"normalized_shape": (3, 8)},
+                   False, r"layer_norm: the last 2 dimension\(s\) of (input|x) must equal "
+                          r"normalized_shape \[3, 8\]"),
+        *(ErrorInput(f"{arg}-shape", {"x": ((3, 7), "float32"), arg: ((6,), "float32")},
+                     {"normalized_shape": 7}, False,
+                     rf"layer_norm: {arg} must have shape normalized_shape \[7\], got \[6\]")
+          for arg in ("weight", "bias")),
+        *(ErrorInput(f"{arg}-dtype", {"x": ((3, 7), "float32"), arg: ((7,), "float64")},
+                     {"normalized_shape": 7}, True,
+                     rf"layer_norm: {arg} must have input's dtype float32, got float64")
+          for arg in ("weight", "bias")),
+        ErrorInput("half-x-float64-weight", {"x": ((3, 7), "bfloat16"),
+                                             "weight": ((7,), "float64")},
+                   {"normalized_shape": 7}, True,
+                   r"layer_norm: weight must have input's dtype bfloat16 or float32, got float64"),
+        *(ErrorInput(f"eps-{e}", {"x": ((3, 7), "float32")}, {"normalized_shape": 7, "eps": e},
+                     False, r"layer_norm: eps must be finite and >= 0")
+          for e in (math.nan, math.inf, -1e-5)),
+        ErrorInput("int-x", {"x": ((3, 7), "int64")}, {"normalized_shape": 7}, True,
+                   r"layer_norm: (x|input) must be float32, float64, float16 or bfloat16, "
+                   r"got (int64|Long)"),
+    ))
+
+
+def _rms_norm_reference(x, normalized_shape, weight=None, eps=None, zero_centered=False):
+    return F.rms_norm(x, normalized_shape, None if weight is None else
+                      weight + 1 if zero_centered else weight, eps)
+
+
+def _rms_norm_scales(t, dy, kw):
+    """dx = rstd (gy - xs mean(gy xs)), xs = x rstd; dweight = sum dy xs."""
+    axes, lead = _trailing(t["x"], kw["normalized_shape"])
+    x = t["x"]
+    rstd = 1 / (x.pow(2).mean(axes, keepdim=True) + kw["eps"]).sqrt()
+    xs = (x * rstd).abs()
+    w = t.get("weight")
+    gy = dy.abs() * (1 if w is None else (w + kw["zero_centered"]).abs())
+    return {"dx": rstd * (gy + xs * (gy * xs).mean(axes, keepdim=True)),
+            "dweight": (dy.abs() * xs).sum(lead)}
+
+
+RMS_NORM = OpInfo(
+    "rms_norm",
+    _norm_samples([("weight", {"weight": True}), ("none", {"weight": False})],
+                  {"eps": _f32(1e-5), "zero_centered": False}, lambda ns: {"weight": ns})
+    + tuple(Sample(f"[9, 37]/[37]-{pid}", {"x": (9, 37), "weight": (37,)},
+                   {"normalized_shape": (37,), **kw}, params_f32=f32)
+            for pid, kw, f32 in [("zero-centered", {"eps": _f32(1e-5), "zero_centered": True}, 0),
+                                 ("zero-centered-f32", {"eps": _f32(1e-5),
+                                                        "zero_centered": True}, 1),
+                                 ("eps-none", {"eps": None, "zero_centered": False}, 0)]),
+    _norm_draw, _rms_norm_reference, grad_scales=_rms_norm_scales,
+    reference_kwargs=lambda kw, dtype: {**kw, "eps": torch.finfo(dtype).eps
+                                        if kw["eps"] is None else kw["eps"]},
+    errors=(
+        ErrorInput("trailing", {"x": ((3, 7), "float32")}, {"normalized_shape": 8}, False,
+                   r"rms_norm: the last 1 dimension\(s\) of (input|x) must equal "
+                   r"normalized_shape \[8\], got (input|x) of shape .3, 7."),
+        ErrorInput("weight-shape", {"x": ((3, 7), "float32"), "weight": ((6,), "float32")},
+                   {"normalized_shape": 7}, False,
+                   r"rms_norm: weight must have shape normalized_shape \[7\], got \[6\]"),
+        ErrorInput("weight-dtype", {"x": ((3, 7), "float32"), "weight": ((7,), "float64")},
+                   {"normalized_shape": 7}, True,
+                   r"rms_norm: weight must have input's dtype float32, got float64"),
+        ErrorInput("half-x-float64-weight", {"x": ((3, 7), "bfloat16"),
+                                             "weight": ((7,), "float64")},
+                   {"normalized_shape": 7}, True,
+                   r"rms_norm: weight must have input's dtype bfloat16 or float32, got float64"),
+        *(ErrorInput(f"eps-{e}", {"x": ((3, 7), "float32")}, {"normalized_shape": 7, "eps": e},
+                     False, r"rms_norm: eps must be finite and >= 0")
+          for e in (math.nan, -math.inf, -1.0)),
+        ErrorInput("int-x", {"x": ((3, 7), "int32")}, {"normalized_shape": 7}, True,
+                   r"rms_norm: (x|input) must be float32, float64, float16 or bfloat16, "
+                   r"got (int32|Int)"),
+    ))
+
+OP_DB = (RELU_SCALE, LINEAR_GELU, LAYER_NORM, RMS_NORM)

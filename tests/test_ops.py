@@ -1,0 +1,303 @@
+"""Every op of `op_db.OP_DB`, generated from its table entry (sample inputs, reference, bad
+inputs): forward and gradients in torch on the CPU and CUDA and in TensorFlow against the float64
+reference, calibrated against the unfused computation in the dtype under test (bitwise equal to
+it where the op rounds once); torch<->TF parity (bitwise where both run the same csrc kernels);
+gradcheck and tf.test.compute_gradient in float64; opcheck of every fusedlayers op a sample's
+forward and backward reach; and the argument errors in both frameworks, eagerly and in
+tf.function. The op-specific behaviour (modules, options of one framework, special values,
+determinism) stays in tests/test_<op>.py."""
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedlayers as fl
+from _helpers import as_layout, assert_bitwise, assert_calibrated, leaf_shape, np64, rel_err
+from op_db import OP_DB
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}
+HALF = ("float16", "bfloat16")
+# Added to the calibrated bound: float64 results are compared with a float64 reference that
+# sums in another order; half results round once more than the unfused layer's float math.
+FLOOR = {"float64": 1e-12, "float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-4}
+CUDA_MARKS = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def cases(dtypes, devices=("cpu",), contiguous_only=False, small=False, nonempty=False):
+    """pytest params (op, sample, dtype, device) over the table, without the combinations a sample
+    does not apply to (float32 parameters under full-precision x, float64 on CUDA, CUDA-sized
+    samples on the CPU); small: few enough elements for finite differences."""
+    out = []
+    for op in OP_DB:
+        for s in op.samples:
+            if (contiguous_only and s.layout != "contiguous") or (small and (
+                    s.cuda_only or s.numel() > 300)) or (nonempty and s.numel() == 0):
+                continue
+            for dtype in dtypes:
+                for device in devices:
+                    if (s.params_f32 and dtype not in HALF) or (device == "cuda" and (
+                            dtype == "float64")) or (device == "cpu" and s.cuda_only):
+                        continue
+                    out.append(pytest.param(op, s, dtype, device, id=f"{op.name}-{s.id}-{dtype}"
+                                            f"{'-cuda' if device == 'cuda' else ''}",
+                                            marks=CUDA_MARKS if device == "cuda" else ()))
+    return out
+
+
+def draw(op, s, rng):
+    """float64 values for the sample's arguments, x as the storage of its layout's view."""
+    shapes = {**s.shapes, "x": leaf_shape(s.shapes["x"], s.layout)}
+    values = op.draw(rng, dataclasses.replace(s, shapes=shapes))
+    return {n: None if v is None else np.asarray(v, np.float64) for n, v in values.items()}
+
+
+def rounded(values, s, dtype):
+    """The values as torch CPU tensors in the dtypes under test (parameters float32 if the sample
+    says so): the inputs every framework and the float64 reference see."""
+    pdt = torch.float32 if s.params_f32 else DTYPES[dtype]
+    return {n: None if v is None else torch.from_numpy(v).to(DTYPES[dtype] if n == "x" else pdt)
+            for n, v in values.items()}
+
+
+def run_torch(fn, s, leaves, dy, device="cpu", dtype=None, kwargs=None):
+    """fn(**arguments, **kwargs (default: s.kwargs)) on the sample's view of x, and its gradients
+    wrt the present tensors for grad_out dy: {"y": y, "d<arg>": ...}. dtype: convert the leaves
+    first."""
+    t = {n: None if v is None else v.detach().to(device, dtype).requires_grad_()
+         for n, v in leaves.items()}
+    args = {**t, "x": as_layout(t["x"], s.shapes["x"], s.layout)}
+    with warnings.catch_warnings():  # F.rms_norm warns that mixed dtypes take its slow path
+        warnings.simplefilter("ignore", UserWarning)
+        y = fn(**args, **(s.kwargs if kwargs is None else kwargs))
+        present = [n for n, v in args.items() if v is not None]
+        gs = torch.autograd.grad(y, [args[n] for n in present], dy.to(device, y.dtype))
+    return {"y": y.detach(), **{f"d{n}": g for n, g in zip(present, gs)}}
+
+
+def reference64(op, s, leaves, rng):
+    """The float64 reference's results on the rounded inputs, the grad_out drawn for it (in x's
+    dtype) and the magnitudes that judge its cancelling gradients."""
+    kwargs = op.reference_kwargs(s.kwargs, leaves["x"].dtype)
+    t64 = {n: None if v is None else v.double() for n, v in leaves.items()}
+    t64["x"] = as_layout(t64["x"], s.shapes["x"], s.layout)
+    with torch.no_grad():
+        dy = torch.from_numpy(np.asarray(rng.normal(op.reference(**t64, **kwargs).shape)))
+    dy = dy.to(leaves["x"].dtype)
+    ref = run_torch(op.reference, s, leaves, dy.double(), dtype=torch.float64, kwargs=kwargs)
+    return ref, dy, op.grad_scales(t64, dy.double(), kwargs)
+
+
+def baseline(op, s, leaves, dy, device="cpu"):
+    """The unfused computation in the dtypes under test. torch's own layer_norm backward rejects
+    a float32 bias without a weight under half x: there, its parameters in x's dtype."""
+    try:
+        return run_torch(op.reference, s, leaves, dy, device)
+    except RuntimeError as e:
+        if "expected scalar type" not in str(e) or not s.params_f32:
+            raise
+        x_dtype = leaves["x"].dtype
+        return run_torch(op.reference, s, {n: None if v is None else v.to(x_dtype)
+                                           for n, v in leaves.items()}, dy, device)
+
+
+def check(op, s, dtype, leaves, ours, ref, base, scales, rng, what):
+    """ours within the calibrated bound of the reference (bitwise equal to base for exact ops),
+    each result in the dtype of the argument it is the gradient of (y: x's)."""
+    assert set(ours) == set(ref), (what, sorted(ours), sorted(ref))
+    for name, want in ref.items():
+        got = ours[name]
+        expected = leaves["x" if name in ("y", "dx") else name[1:]].dtype
+        assert got.dtype == expected, (what, name, got.dtype, expected)
+        got = got.cpu()
+        assert tuple(got.shape) == tuple(want.shape), (what, name, got.shape, want.shape)
+        if op.exact:
+            assert_bitwise(got, base[name].cpu())
+            continue
+        scale = scales.get(name)
+        assert_calibrated(rel_err(got, want, scale), rel_err(base[name].cpu(), want, scale),
+                          f"{what} {name}", dtype=dtype, numel=want.numel(), floor=FLOOR[dtype],
+                          ulps=op.ulps, rng=rng)
+
+
+# ---------------------------------------------------------------- torch, CPU and CUDA
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, ("cpu", "cuda")))
+def test_torch(op, s, dtype, device, rng):
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    ref, dy, scales = reference64(op, s, leaves, rng)
+    ours = run_torch(getattr(fl, op.name), s, leaves, dy, device)
+    assert ours["y"].is_contiguous()
+    base = baseline(op, s, leaves, dy, device)
+    check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"torch {op.name} {s.id} on {device}")
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(["float64"], small=True, nonempty=True))
+def test_gradcheck(op, s, dtype, device, rng):
+    leaves = {n: None if v is None else torch.from_numpy(v)
+              for n, v in draw(op, s, rng).items()}
+    names = [n for n, v in leaves.items() if v is not None]
+
+    def fn(*ts):
+        args = {**leaves, **dict(zip(names, ts))}
+        args["x"] = as_layout(args["x"], s.shapes["x"], s.layout)
+        return getattr(fl, op.name)(**args, **s.kwargs)
+
+    assert torch.autograd.gradcheck(fn, [leaves[n].requires_grad_() for n in names])
+
+
+def _copy(a, requires_grad=False):
+    if not isinstance(a, torch.Tensor):
+        return a
+    return a.detach().clone().requires_grad_(requires_grad and a.is_floating_point())
+
+
+class _PublicOps(TorchFunctionMode):
+    """Records the fusedlayers ops called from Python (the ops fl.<op> calls), with arguments
+    that require grad as the caller's did: their autograd kernels are checked too."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", None) == "fusedlayers":
+            self.calls[func] = ([_copy(a, getattr(a, "requires_grad", False)) for a in args],
+                                {k: _copy(v) for k, v in (kwargs or {}).items()})
+        return func(*args, **(kwargs or {}))
+
+
+class _InnerOps(TorchDispatchMode):
+    """Records the fusedlayers ops run below autograd (forward kernels and backward ops), with
+    arguments that do not require grad, unless already recorded from Python."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusedlayers" and func not in self.calls:
+            self.calls[func] = ([_copy(a) for a in args],
+                                {k: _copy(v) for k, v in (kwargs or {}).items()})
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(["float32", "bfloat16"], ("cpu", "cuda"),
+                                                     small=True))
+def test_opcheck(op, s, dtype, device, rng):
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    with torch.no_grad():
+        x = as_layout(leaves["x"], s.shapes["x"], s.layout)
+        dy = torch.randn(getattr(fl, op.name)(**{**leaves, "x": x}, **s.kwargs).shape)
+    calls = {}
+    with _PublicOps(calls), _InnerOps(calls):
+        run_torch(getattr(fl, op.name), s, leaves, dy, device)
+    public = [f for f in calls if f.name().removeprefix("fusedlayers::") == op.name]
+    assert public, f"fl.{op.name} did not call fusedlayers::{op.name} ({list(calls)})"
+    for func, (args, kwargs) in calls.items():
+        torch.library.opcheck(func, args, kwargs)
+
+
+def _torch_error_input(e):
+    return {n: torch.ones(shape, dtype=DTYPES.get(dt) or getattr(torch, dt))
+            for n, (shape, dt) in e.tensors.items()}
+
+
+@pytest.mark.parametrize("op,e", [pytest.param(op, e, id=f"{op.name}-{e.id}")
+                                  for op in OP_DB for e in op.errors])
+def test_torch_errors(op, e):
+    with pytest.raises(TypeError if e.type_error else ValueError, match=e.match):
+        getattr(fl, op.name)(**_torch_error_input(e), **e.kwargs)
+
+
+# ---------------------------------------------------------------- TensorFlow
+
+@pytest.fixture
+def tf():
+    return pytest.importorskip("tensorflow")
+
+
+def run_tf(tf, op, s, leaves, dy):
+    """As run_torch, through the TF op: {"y": ..., "d<arg>": ...} as TF tensors."""
+    t = {n: None if v is None else tf.cast(tf.constant(v.double().numpy()), str(v.dtype)[6:])
+         for n, v in leaves.items()}
+    present = [n for n, v in t.items() if v is not None]
+    with tf.GradientTape() as tape:
+        tape.watch([t[n] for n in present])
+        y = getattr(fl, op.name)(**t, **s.kwargs)
+    gs = tape.gradient(y, [t[n] for n in present],
+                       output_gradients=tf.cast(tf.constant(dy.double().numpy()), y.dtype))
+    return {"y": y, **{f"d{n}": g for n, g in zip(present, gs)}}
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
+def test_tf(op, s, dtype, device, rng, tf):
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    ref, dy, scales = reference64(op, s, leaves, rng)
+    ours = {n: torch.from_numpy(np64(v)).to(DTYPES[v.dtype.name])  # exact: v is in that dtype
+            for n, v in run_tf(tf, op, s, leaves, dy).items()}
+    base = baseline(op, s, leaves, dy)
+    check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"TF {op.name} {s.id}")
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
+def test_parity(op, s, dtype, device, rng, tf):
+    """The same rounded inputs through both frameworks' fused ops. Ops of csrc kernels alone agree
+    bit for bit; linear_gelu's GEMMs are each framework's own (other summation orders), so its
+    float32 results agree to the GEMM's rounding and its other dtypes are not compared."""
+    if not op.bitwise_parity and dtype != "float32":
+        pytest.skip("the frameworks' own GEMMs differ beyond float32 rounding in other dtypes")
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    dy = torch.from_numpy(np.asarray(rng.normal(
+        getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves["x"].dtype)
+    a = run_torch(getattr(fl, op.name), s, leaves, dy)
+    b = run_tf(tf, op, s, leaves, dy)
+    assert set(a) == set(b)
+    for name in a:
+        x, y = np64(a[name]), np64(b[name])
+        assert x.shape == y.shape, (name, x.shape, y.shape)
+        if op.bitwise_parity:
+            diff = ~((x == y) | (np.isnan(x) & np.isnan(y)))
+            assert not diff.any(), (f"{op.name} {s.id} {name}: torch and TF differ at "
+                                    f"{int(diff.sum())} of {x.size} elements ({rng})")
+        else:  # GEMM rounding grows ~sqrt(in_features)
+            k = s.shapes["x"][-1] if s.shapes["x"] else 1
+            tol = 1e-6 * max(1.0, np.sqrt(k / 64))
+            err = rel_err(x, y, op.grad_scales(
+                {n: None if v is None else v.double() for n, v in leaves.items()},
+                dy.double(), s.kwargs).get(name))
+            assert err <= tol, f"{op.name} {s.id} {name}: {err:.2e} > {tol:.1e} ({rng})"
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(["float64"], contiguous_only=True,
+                                                     small=True, nonempty=True))
+def test_tf_compute_gradient(op, s, dtype, device, rng, tf):
+    values = draw(op, s, rng)
+    names = [n for n, v in values.items() if v is not None]
+
+    def fn(*ts):
+        return getattr(fl, op.name)(**{**values, **dict(zip(names, ts))}, **s.kwargs)
+
+    theo, num = tf.test.compute_gradient(fn, [tf.constant(values[n]) for n in names],
+                                         delta=1e-6)
+    for n, t, m in zip(names, theo, num):
+        np.testing.assert_allclose(t, m, rtol=1e-6, atol=1e-6, err_msg=f"d{n} ({rng})")
+
+
+@pytest.mark.parametrize("op,e", [pytest.param(op, e, id=f"{op.name}-{e.id}")
+                                  for op in OP_DB for e in op.errors])
+@pytest.mark.parametrize("mode", ["eager", "tf.function"])
+def test_tf_errors(op, e, mode, tf):
+    tensors = {n: tf.ones(shape, dt) for n, (shape, dt) in e.tensors.items()}
+
+    def call():
+        return getattr(fl, op.name)(**tensors, **e.kwargs)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=e.match):
+        (call if mode == "eager" else tf.function(call))()
