@@ -3,7 +3,9 @@ place, sharing the model's Parameters (nothing is copied, so optimizer state, ti
 checkpoints stay valid).
 
 What is recognised is structure, not class names:
-- every `nn.LayerNorm` becomes `LayerNorm`;
+- a normalization module becomes the fused module whose `fuse_candidates(module)` names it (the
+  rule lives with the fused module): every `nn.LayerNorm` becomes `LayerNorm`; every
+  `nn.RMSNorm`, and every Llama- or Gemma-style look-alike whose output matches, `RMSNorm`;
 - a linear layer whose output feeds only a GELU becomes `FusedLinearGELU` (weight (out, in), as
   nn.Linear) or `FusedConv1DGELU` (weight (in, out), as GPT-2's Conv1D), and the GELU an
   `nn.Identity`. A module is a linear layer when its only Parameters are a 2-D `weight` and a
@@ -59,11 +61,9 @@ def fuse(model: nn.Module, *, layer_norm: bool = True, linear_gelu: bool = True,
     report = FuseReport()
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.no_grad():
-        if layer_norm:
-            _fuse_modules(model, report, lambda m: isinstance(m, nn.LayerNorm),
-                          _verified_layer_norm, "LayerNorm")
-        if rms_norm:
-            _fuse_modules(model, report, _rms_norm_like, _verified_rms_norm, "RMSNorm")
+        for fused_cls, wanted in ((LayerNorm, layer_norm), (RMSNorm, rms_norm)):
+            if wanted:
+                _fuse_modules(model, report, fused_cls, fused_cls.__name__)
         if linear_gelu or relu_scale:
             _fuse_traced(model, report, linear_gelu, relu_scale)
     model.fusedlayers_report = report
@@ -178,76 +178,49 @@ def _mutates_input(module: nn.Module, device: torch.device, dtype: torch.dtype) 
 
 # ---------------------------------------------------------------- LayerNorm
 
-def _fuse_modules(model: nn.Module, report: FuseReport, matches, verified, label: str) -> None:
-    """Swaps each child m with matches(m) for verified(m, path, report) (None: left as is)."""
+def _fuse_modules(model: nn.Module, report: FuseReport, fused_cls, label: str) -> None:
+    """Swaps each child for the first of fused_cls.fuse_candidates(child) that is verified."""
     fused_of = {}  # id(module) -> its fused module, so a shared module stays shared
     for parent_path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if not matches(child):
+            candidates, certain = fused_cls.fuse_candidates(child)
+            if not candidates:
                 continue
             path = f"{parent_path}.{name}" if parent_path else name
             if id(child) not in fused_of:
-                fused_of[id(child)] = verified(child, path, report)
+                fused_of[id(child)] = _verified(child, candidates, certain, path, report)
             fused = fused_of[id(child)]
             if fused is not None:
                 setattr(parent, name, fused)
                 report.swapped.append((path, _describe(child), label))
 
 
-def _verified_layer_norm(ln: nn.LayerNorm, path: str, report: FuseReport) -> LayerNorm | None:
-    if _has_state_hooks(ln):
-        report.left.append((path, _describe(ln), "has hooks or parametrizations"))
+def _verified(module: nn.Module, candidates, certain: bool, path: str, report: FuseReport):
+    """The first candidate whose output matches module's on a probe. On the meta device nothing
+    runs: a certain candidate is taken, a look-alike's is not."""
+    if _has_state_hooks(module):
+        report.left.append((path, _describe(module), "has hooks or parametrizations"))
         return None
-    fused = LayerNorm.from_layer_norm(ln)
-    fused.train(ln.training)
-    like = ln.weight if ln.weight is not None else torch.empty(0)
-    if like.device.type != "meta":
-        x = _probe((_PROBE_ROWS, *ln.normalized_shape), like)
-        try:
-            ok, err = _matches(fused(x), ln(x))
-        except Exception as e:  # a dtype or device the fused op does not support
-            report.left.append((path, _describe(ln), f"the fused op fails on it: {e}"))
-            return None
-        if not ok:
-            report.left.append((path, _describe(ln), f"probe mismatch (relative error {err:.1e})"))
-            return None
-    return fused
-
-
-def _rms_norm_like(m: nn.Module) -> bool:
-    if isinstance(m, nn.RMSNorm):
-        return True
-    if isinstance(m, (nn.LayerNorm, LayerNorm, RMSNorm)):
-        return False
-    params = dict(m.named_parameters(recurse=False))
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    return (not list(m.children()) and list(params) == ["weight"] and params["weight"].dim() == 1
-            and isinstance(eps, float))
-
-
-def _verified_rms_norm(m: nn.Module, path: str, report: FuseReport) -> RMSNorm | None:
-    """The RMSNorm (gain weight, or 1 + weight as Gemma's) whose output matches m's on a probe."""
-    if _has_state_hooks(m):
-        report.left.append((path, _describe(m), "has hooks or parametrizations"))
-        return None
-    like = m.weight if m.weight is not None else torch.empty(0)
+    like = _param_like(module)
+    like = torch.empty(0) if like is None else like
     err = float("nan")
-    for zero_centered in (False, True):
-        fused = RMSNorm.from_rms_norm(m, zero_centered=zero_centered)
-        fused.train(m.training)
-        if like.device.type == "meta" and isinstance(m, nn.RMSNorm):
-            return fused
+    for fused in candidates:
+        fused.train(module.training)
         if like.device.type == "meta":
-            break  # a look-alike cannot be told apart without running it
+            if certain:
+                return fused
+            report.left.append((path, _describe(module), "on the meta device, a look-alike "
+                                                         "cannot be verified without running it"))
+            return None
         x = _probe((_PROBE_ROWS, *fused.normalized_shape), like)
         try:
-            ok, err = _matches(fused(x), m(x))
+            ok, err = _matches(fused(x), module(x))
         except Exception as e:  # a dtype or device the fused op does not support
-            report.left.append((path, _describe(m), f"the fused op fails on it: {e}"))
+            report.left.append((path, _describe(module), f"the fused op fails on it: {e}"))
             return None
         if ok:
             return fused
-    report.left.append((path, _describe(m), f"probe mismatch (relative error {err:.1e})"))
+    report.left.append((path, _describe(module), f"probe mismatch (relative error {err:.1e})"))
     return None
 
 
@@ -329,7 +302,6 @@ def _join(parent_path: str, name: str) -> str:
 
 def _fuse_pair(parent: nn.Module, parent_path: str, act: torch.fx.Node, form: str,
                count: dict, report: FuseReport) -> None:
-    act_path = _join(parent_path, act.target)
     producer = act.args[0] if len(act.args) == 1 and not act.kwargs else None
     if not (isinstance(producer, torch.fx.Node) and producer.op == "call_module"):
         return  # a GELU fed by something else than a module: nothing to fuse with

@@ -83,6 +83,12 @@ class LayerNorm(nn.Module):
         fused.weight, fused.bias = layer_norm.weight, layer_norm.bias
         return fused
 
+    @classmethod
+    def fuse_candidates(cls, module: nn.Module) -> tuple[list["LayerNorm"], bool]:
+        """fuse()'s rule (see RMSNorm.fuse_candidates): a torch.nn.LayerNorm, certainly."""
+        return ([cls.from_layer_norm(module)], True) if isinstance(module, nn.LayerNorm) else \
+            ([], False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm_op(x, self.normalized_shape, self.weight, self.bias, self.eps,
                              self.memory_efficient)[0]

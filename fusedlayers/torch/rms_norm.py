@@ -78,6 +78,24 @@ class RMSNorm(nn.Module):
         fused.weight = weight
         return fused
 
+    @classmethod
+    def fuse_candidates(cls, module: nn.Module) -> tuple[list["RMSNorm"], bool]:
+        """fuse()'s rule: the RMSNorms that may replace `module`, sharing its Parameter, and
+        whether the first is certain (module is a torch.nn.RMSNorm) or each must match module on
+        a probe (a Llama-style look-alike: no children, one 1-D `weight`, a float `eps` or
+        `variance_epsilon`, whose gain is weight or, as Gemma's, 1 + weight)."""
+        if isinstance(module, nn.RMSNorm):
+            return [cls.from_rms_norm(module)], True
+        # a LayerNorm without bias has the same Parameters
+        from .layer_norm import LayerNorm
+        if isinstance(module, (nn.LayerNorm, LayerNorm, RMSNorm)) or list(module.children()):
+            return [], False
+        params = dict(module.named_parameters(recurse=False))
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if list(params) != ["weight"] or params["weight"].dim() != 1 or not isinstance(eps, float):
+            return [], False
+        return [cls.from_rms_norm(module, zero_centered=zc) for zc in (False, True)], False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_op(x, self.normalized_shape, self.weight, _eps(self.eps, x),
                            self.zero_centered)[0]
