@@ -114,41 +114,63 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
   A* d = buf;            // dy
   A* xh = d + stride;    // xhat
   A* gd = xh + stride;   // dy * gamma, then dx
+  // float16 columns per staged block: whole rows up to 1024 (docs/DESIGN.md, "CPU loops").
+  constexpr int64_t kStageBlock = 512;
+  const int64_t bc = cpu::kStaged<T> && cols > 2 * kStageBlock ? kStageBlock : cols;
+  // n values at src as the loops read them: converted into buf for float16, src itself else.
+  const auto block_of = [](const T* src, A* buf, int64_t n) {
+    if constexpr (cpu::kStaged<T>) {
+      cpu::load(src, buf, n);
+      return static_cast<const A*>(buf);
+    } else {
+      return src;
+    }
+  };
   for (int64_t r = begin; r < end; ++r) {
     const A rs = a.rstd[r];
     if (centred && !a.saved_is_output) {
       // The common case in two passes over the row, xhat and dy * gamma recomputed in each:
-      // the same values, sums and order as the general path below, so the same bits. Rows of
-      // staged types are converted into d and xh first, and dx goes out through gd.
-      const auto row = [&](const T* p, A* staging) {
-        if constexpr (cpu::kStaged<T>) {
-          cpu::load(p, staging, cols);
-          return static_cast<const A*>(staging);
-        } else {
-          return p;
-        }
-      };
-      const auto xr = row(a.saved + r * cols, xh), dyr = row(a.dy + r * cols, d);
+      // the same values as the general path below. float16 is converted into d and xh (and dx
+      // goes out through gd) in blocks of `bc` columns, L1-sized for wide rows: re-converting
+      // a block costs less than re-reading a row staged in float, twice the bytes, from L2.
+      // A row's sums add its blocks' lane sums in block order.
+      const T* dyr = a.dy + r * cols;
+      const T* xr = a.saved + r * cols;
       const A mu = a.mean[r];
-      const auto [sum_gd, sum_gdx] = cpu::lane_sum2<A>(cols, [&](int64_t j) {
-        const A dyj = cpu::to_acc(dyr[j]), xhj = (cpu::to_acc(xr[j]) - mu) * rs;
-        if (pg) {
-          pg[j] += dyj * xhj;
-          pb[j] += dyj;
-        }
-        return std::pair<A, A>(dyj * g[j], dyj * g[j] * xhj);
-      });
+      A sum_gd = 0, sum_gdx = 0;
+      for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+        const int64_t n = std::min(bc, cols - c0);
+        const auto dyb = block_of(dyr + c0, d, n), xb = block_of(xr + c0, xh, n);
+        const A* gb = g + c0;
+        A* pgb = pg ? pg + c0 : nullptr;
+        A* pbb = pb ? pb + c0 : nullptr;
+        const auto [s_gd, s_gdx] = cpu::lane_sum2<A>(n, [&](int64_t j) {
+          const A dyj = cpu::to_acc(dyb[j]), xhj = (cpu::to_acc(xb[j]) - mu) * rs;
+          if (pgb) {
+            pgb[j] += dyj * xhj;
+            pbb[j] += dyj;
+          }
+          return std::pair<A, A>(dyj * gb[j], dyj * gb[j] * xhj);
+        });
+        sum_gd += s_gd;
+        sum_gdx += s_gdx;
+      }
       const A mg = sum_gd / A(cols), mgx = sum_gdx / A(cols);
       T* dxr = a.dx + r * cols;
-      for (int64_t j = 0; j < cols; ++j) {
-        const A xhj = (cpu::to_acc(xr[j]) - mu) * rs;
-        const A dxj = rs * (cpu::to_acc(dyr[j]) * g[j] - mg - xhj * mgx);
-        if constexpr (cpu::kStaged<T>)
-          gd[j] = dxj;
-        else
-          dxr[j] = cpu::from_acc<T>(dxj);
+      for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+        const int64_t n = std::min(bc, cols - c0);
+        const auto dyb = block_of(dyr + c0, d, n), xb = block_of(xr + c0, xh, n);
+        const A* gb = g + c0;
+        for (int64_t j = 0; j < n; ++j) {
+          const A xhj = (cpu::to_acc(xb[j]) - mu) * rs;
+          const A dxj = rs * (cpu::to_acc(dyb[j]) * gb[j] - mg - xhj * mgx);
+          if constexpr (cpu::kStaged<T>)
+            gd[j] = dxj;
+          else
+            dxr[c0 + j] = cpu::from_acc<T>(dxj);
+        }
+        if constexpr (cpu::kStaged<T>) cpu::store(gd, dxr + c0, n);
       }
-      if constexpr (cpu::kStaged<T>) cpu::store(gd, dxr, cols);
       continue;
     }
     cpu::load(a.dy + r * cols, d, cols);
