@@ -145,6 +145,16 @@ FUSEDLAYERS_CPU_CLONES void gelu_grad_rows(const A* u, const A* dy, A* dpre, A* 
       for (int64_t j = 0; j < cols; ++j) dbias[j] += dpre[r * cols + j];
 }
 
+// v += bias, each row, rounded to T and back: the unfused layer rounds the linear output to T
+// before GELU, so do we (in registers: no store and reload of pre).
+template <typename T>
+FUSEDLAYERS_CPU_CLONES void add_bias_rounded(float* v, const float* bias, int64_t rows,
+                                             int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      v[i * cols + j] = cpu::to_acc(cpu::from_acc<T>(v[i * cols + j] + bias[j]));
+}
+
 // Rows per block: about 32 KB of float per block, so a block's pre / dpre is still in L1 or L2
 // when the next loop over it reads it.
 int64_t block_rows(int64_t cols) { return std::max<int64_t>(1, 8192 / cols); }
@@ -175,11 +185,8 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
         } else {  // 16-bit rows staged in float
           A* v = buf.data();
           cpu::load(hp + off, v, n * cols);
-          for (int64_t i = 0; i < n; ++i)
-            for (int64_t j = 0; j < cols; ++j) v[i * cols + j] += b[j];
-          // The unfused layer rounds the linear output to T before GELU: so do we.
-          cpu::store(v, pp + off, n * cols);
-          cpu::load(pp + off, v, n * cols);
+          add_bias_rounded<T>(v, b.data(), n, cols);
+          if (pp != yp) cpu::store(v, pp + off, n * cols);  // else pre is y's memory
           bias_gelu_rows(v, static_cast<const A*>(nullptr), v, v, n, cols, approx);
           cpu::store(v, yp + off, n * cols);
         }
