@@ -53,19 +53,29 @@ inline void backward_word(const T* dy, uint32_t word, T* dx, A alpha, int64_t e)
 // float (cpu::kStaged); the other types convert element by element.
 constexpr int64_t kStageWords = 16;
 
+// Mask words [w_begin, w_end) of n elements a chunk at a time: the chunk's `in` converted into
+// a float buffer, fn(buf, values, first word, words), then buf converted out to `out`.
+template <typename A, typename T, typename Fn>
+FUSEDLAYERS_INLINE void staged_words(const T* in, T* out, int64_t n, int64_t w_begin,
+                                     int64_t w_end, Fn&& fn) {
+  A buf[kStageWords * 32];
+  for (int64_t w = w_begin; w < w_end; w += kStageWords) {
+    const int64_t words = std::min(kStageWords, w_end - w), i = w * 32;
+    const int64_t m = std::min(n, (w + words) * 32) - i;
+    cpu::load(in + i, buf, m);
+    fn(buf, m, w, words);
+    cpu::store(buf, out + i, m);
+  }
+}
+
 // Mask words [w_begin, w_end) of n elements: their mask (when not null) and y.
 template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void forward_words(const T* x, T* y, uint32_t* mask, int64_t n, A alpha,
                                           int64_t w_begin, int64_t w_end) {
   if constexpr (cpu::kStaged<T>) {
-    A buf[kStageWords * 32];
-    for (int64_t w = w_begin; w < w_end; w += kStageWords) {
-      const int64_t words = std::min(kStageWords, w_end - w), i = w * 32;
-      const int64_t m = std::min(n, (w + words) * 32) - i;
-      cpu::load(x + i, buf, m);
+    staged_words<A>(x, y, n, w_begin, w_end, [&](A* buf, int64_t m, int64_t w, int64_t words) {
       forward_words(buf, buf, mask ? mask + w : nullptr, m, alpha, 0, words);
-      cpu::store(buf, y + i, m);
-    }
+    });
   } else {
     if (mask) {  // before y: y may alias x
       for (int64_t w = w_begin; w < w_end; ++w) {
@@ -85,14 +95,9 @@ template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void backward_words(const T* dy, const uint32_t* mask, T* dx, int64_t n,
                                            A alpha, int64_t w_begin, int64_t w_end) {
   if constexpr (cpu::kStaged<T>) {
-    A buf[kStageWords * 32];
-    for (int64_t w = w_begin; w < w_end; w += kStageWords) {
-      const int64_t words = std::min(kStageWords, w_end - w), i = w * 32;
-      const int64_t m = std::min(n, (w + words) * 32) - i;
-      cpu::load(dy + i, buf, m);
+    staged_words<A>(dy, dx, n, w_begin, w_end, [&](A* buf, int64_t m, int64_t w, int64_t words) {
       backward_words(buf, mask + w, buf, m, alpha, 0, words);
-      cpu::store(buf, dx + i, m);
-    }
+    });
   } else {
     for (int64_t w = w_begin; w < w_end; ++w) {
       const int64_t e = std::min<int64_t>(32, n - w * 32);
