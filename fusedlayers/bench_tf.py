@@ -35,7 +35,10 @@ def cases(shapes: dict, dtype_name: str):
     def variants(fused_fn, unfused_fn, inputs):
         out = {}
         for impl, fn in (("tf-fused", fused_fn), ("tf-eager", unfused_fn)):
-            fwd, fwd_bwd = tf.function(fn), tf.function(_fwd_bwd(fn, inputs))
+            # No Python control flow to convert: AutoGraph would only warn that it cannot
+            # parse two lambdas on one line.
+            fwd = tf.function(fn, autograph=False)
+            fwd_bwd = tf.function(_fwd_bwd(fn, inputs), autograph=False)
             out[impl] = {"fwd": lambda f=fwd: f(*inputs), "fwd+bwd": lambda f=fwd_bwd: f(*inputs)}
         return out
 
