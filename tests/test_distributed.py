@@ -2,9 +2,16 @@
 --distributed ddp|fsdp` on two processes (torchrun: gloo on the CPU, NCCL on two GPUs) and
 `examples/train_keras.py --distributed` (tf.distribute.MirroredStrategy over two logical CPU
 devices) pass the examples' own checks (fused against unfused), and their losses equal a
-single-process run on the same global batches up to summation order: on the CPU to 1e-5 with the
-same accuracies; on GPUs, whose GEMMs pick other kernels (other rounding) for the halved
-per-process batch, to the example's own bars (1e-5 in the first epoch, LOSS_RTOL after)."""
+single-process run on the same global batches up to summation order, to train_torch.py's bars:
+1e-5 in the first epoch, LOSS_RTOL after.
+
+Why not 1e-5 in every epoch: the runs differ by the order of their weight-gradient sums (a
+halved batch per process; on GPUs also other GEMM kernels), which leaves their weights an ulp
+or so apart; once a ReLU input lands between the two runs' values (measured: 2.6e-7 in one run,
+-1.6e-7 in the other, in the CPU MLP-Mixer's 27th step) that unit's gradient is on in one run
+and off in the other, and from then on the curves separate as two trainings do (5e-4 by
+epoch 8). Whether a kink is hit in 8 epochs depends on the rounding of every op, so a tighter
+bar after the first epoch would pass or fail with changes of summation order anywhere."""
 
 import json
 import os
@@ -18,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 EPOCHS = 8  # enough for the example's 90% accuracy bar
-RTOL = 1e-5  # the example's first-epoch bound: the same function up to float32 rounding
-GPU_LATER_RTOL = 1e-3  # the example's LOSS_RTOL
+FIRST_RTOL = 1e-5  # the example's first-epoch bound: the same function up to float32 rounding
+LATER_RTOL = 1e-3  # train_torch.py's LOSS_RTOL (train_keras.py's is 1e-2)
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]
@@ -37,16 +44,14 @@ def train(tmp_path: Path, name: str, launcher: list[str], example: str, extra=()
     return json.loads(out.read_text())
 
 
-def assert_same_training(runs: dict, single: dict, what: str, device: str = "cpu") -> None:
+def assert_same_training(runs: dict, single: dict, what: str) -> None:
     for model in ("unfused", "fused"):
         ours, ref = runs[model]["loss"], single[model]["loss"]
         assert len(ours) == len(ref) == EPOCHS
         rel = [abs(a - b) / b for a, b in zip(ours, ref)]
-        bounds = [RTOL] * EPOCHS if device == "cpu" else [RTOL] + [GPU_LATER_RTOL] * (EPOCHS - 1)
+        bounds = [FIRST_RTOL] + [LATER_RTOL] * (EPOCHS - 1)
         assert all(r <= b for r, b in zip(rel, bounds)), (
             f"{what} {model}: losses differ from one process by {rel}")
-        if device == "cpu":
-            assert runs[model]["accuracy"] == single[model]["accuracy"]
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -67,7 +72,7 @@ def test_torch_two_processes_train_like_one(engine, device, single_torch, tmp_pa
     runs = train(tmp_path, engine, torchrun, "train_torch.py",
                  ["--distributed", engine, "--device", device])
     assert runs["processes"] == 2
-    assert_same_training(runs, single_torch, f"{engine} on {device}", device)
+    assert_same_training(runs, single_torch, f"{engine} on {device}")
 
 
 def test_keras_mirrored_strategy_trains_like_one_device(tmp_path):
