@@ -157,10 +157,20 @@ Row<A> param_or(const void* p, int64_t n, A fill) {
   return out;
 }
 
-// sum_{i < n} term(i) over kLanes independent partial sums, added in lane order at the end: the
+// sum_{i < n} term(i) over kLanes independent partial sums, added pairwise at the end: the
 // compiler vectorizes it (a plain running sum it may not reorder), and the order is fixed, so
-// the result never depends on threads.
-constexpr int kLanes = 16;
+// the result never depends on threads or the ISA. 32 lanes: two AVX-512 (four AVX2) vector sums
+// in flight (measured: docs/DESIGN.md, "CPU loops").
+constexpr int kLanes = 32;
+
+// The lanes added pairwise, halves first: a fixed order, and a dependency chain of log2(kLanes)
+// adds where a running total would be kLanes long.
+template <typename A>
+FUSEDLAYERS_INLINE A tree_sum(A (&acc)[kLanes]) {
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int k = 0; k < width; ++k) acc[k] += acc[k + width];
+  return acc[0];
+}
 
 template <typename A, typename Term>
 FUSEDLAYERS_INLINE A lane_sum(int64_t n, Term term) {
@@ -169,9 +179,7 @@ FUSEDLAYERS_INLINE A lane_sum(int64_t n, Term term) {
   for (; i + kLanes <= n; i += kLanes)
     for (int k = 0; k < kLanes; ++k) acc[k] += term(i + k);
   for (int k = 0; i < n; ++i, ++k) acc[k] += term(i);
-  A total = 0;
-  for (int k = 0; k < kLanes; ++k) total += acc[k];
-  return total;
+  return tree_sum(acc);
 }
 
 // Two sums over one pass, each in lane_sum's order (so each equals its lane_sum): term(i)
@@ -191,12 +199,7 @@ FUSEDLAYERS_INLINE std::pair<A, A> lane_sum2(int64_t n, Term term) {
     acc0[k] += t.first;
     acc1[k] += t.second;
   }
-  A total0 = 0, total1 = 0;
-  for (int k = 0; k < kLanes; ++k) {
-    total0 += acc0[k];
-    total1 += acc1[k];
-  }
-  return {total0, total1};
+  return {tree_sum(acc0), tree_sum(acc1)};
 }
 
 // The row as accumulation-type values: src itself when T is A, else converted into buf.
