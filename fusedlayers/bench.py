@@ -89,6 +89,13 @@ def _median_ms(fn, device: torch.device, reps: int, graph: bool = True) -> float
     return statistics.median(times)
 
 
+# Untimed rounds first on the CPU: until glibc's malloc has raised its mmap threshold past an
+# output's size, each call's output is fresh memory, page-faulted in on first touch (measured: a
+# 1024 x 4097 float32 LayerNorm output, 4096 faults, 4 ms on a 0.7 ms op, for up to 6 calls of
+# either implementation), which a median of 15 interleaved calls did not always hide.
+CPU_WARMUP_ROUNDS = 8
+
+
 def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
     """The median ms of each of fns, by name. On the CPU they run interleaved, one call of each
     per round, so a host whose speed drifts (shared cores, clock changes) slows every variant
@@ -97,8 +104,9 @@ def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
         # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
         return {name: _median_ms(fn, device, reps, graph=name != "copy")
                 for name, fn in fns.items()}
-    for fn in fns.values():
-        fn()
+    for _ in range(CPU_WARMUP_ROUNDS):
+        for fn in fns.values():
+            fn()
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
