@@ -1,14 +1,13 @@
 // CPU row normalization (math and dtypes: norm.h): rows split over tasks for the forward and dx; dgamma/dbeta summed per fixed
 // chunk of rows into the workspace, then over chunks in chunk order, so results are thread-count
 // invariant. Rows run in target clones (cpu_types.h).
+#include "cpu_vec.h"  // first: it includes the intrinsics before cpu_types.h
 #include "norm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
-
-#include "cpu_types.h"
 
 // No multiply-add contraction in the FMA clones: the rows then give the same bits on every
 // CPU, and cancellations the math makes exact stay exact (dy * gamma - mean(dy * gamma) is 0 for
@@ -51,38 +50,59 @@ void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
   });
 }
 
-// Rows [begin, end): y = (x - shift) * rstd * gamma + beta, with shift the mean (0 but for
-// kLayer), and each row's rstd and (where mean is not null) mean. g and b are gamma/beta in A
-// (1 and 0 where absent); buf holds cols values for staging a 16-bit row.
+// The forward's per-call arguments: gamma/beta in A (1 and 0 where absent); mean may be null.
 template <typename T, typename A>
-FUSEDLAYERS_CPU_CLONES void forward_rows(const T* x, const A* g, const A* b, T* y, A* mean,
-                                         A* rstd, A* buf, int64_t begin, int64_t end,
-                                         int64_t cols, A eps, NormMode mode) {
+struct ForwardArgs {
+  const T* x;
+  const A* g;
+  const A* b;
+  T* y;
+  A* mean;
+  A* rstd;
+  int64_t cols;
+  A eps;
+  NormMode mode;
+};
+
+// Rows [begin, end): y = (x - shift) * rstd * gamma + beta, with shift the mean (0 but for
+// kLayer), and each row's rstd and (where mean is not null) mean. Cols: the column loops
+// (cpu_vec.h); buf holds cols values where they stage a row.
+template <typename Cols, typename T, typename A>
+FUSEDLAYERS_INLINE void forward_rows_with(const ForwardArgs<T, A>& a, A* buf, int64_t begin,
+                                          int64_t end) {
+  const int64_t cols = a.cols;
+  const A* g = a.g;
+  const A* b = a.b;
   for (int64_t r = begin; r < end; ++r) {
-    const A* v = cpu::staged(x + r * cols, buf, cols);
-    T* yr = y + r * cols;
+    const auto* v = Cols::row(a.x + r * cols, buf, cols);
     // The mean as x[0] + mean(x - x[0]): the sum then rounds at the scale of the deviations,
     // not of the mean (rows at 100 std: 1 ulp of the mean where a plain float sum was off ~2).
-    const A x0 = v[0];
-    const A mu = mode == NormMode::kRms
+    const A x0 = cpu::Scalar::load(v);
+    const A mu = a.mode == NormMode::kRms
                      ? A(0)
-                     : x0 + cpu::lane_sum<A>(cols, [&](int64_t j) { return v[j] - x0; }) / A(cols);
-    const A var = cpu::lane_sum<A>(cols, [&](int64_t j) {
-                    const A dev = v[j] - mu;
+                     : x0 + Cols::template sum<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+                         return decltype(io)::load(v + j) - x0;
+                       }) / A(cols);
+    const A var = Cols::template sum<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+                    const auto dev = decltype(io)::load(v + j) - mu;
                     return dev * dev;
                   }) / A(cols);
-    const A rs = A(1) / std::sqrt(var + eps);
-    const A shift = mode == NormMode::kLayer ? mu : A(0);
-    if constexpr (cpu::kStaged<T>) {  // in the staging buffer (v is buf), converted in one pass
-      for (int64_t j = 0; j < cols; ++j) buf[j] = (v[j] - shift) * rs * g[j] + b[j];
-      cpu::store(buf, yr, cols);
-    } else {
-      for (int64_t j = 0; j < cols; ++j)
-        yr[j] = cpu::from_acc<T>((v[j] - shift) * rs * g[j] + b[j]);
-    }
-    if (mean) mean[r] = mu;
-    rstd[r] = rs;
+    const A rs = A(1) / cpu::sqrt_of(var + a.eps);
+    const A shift = a.mode == NormMode::kLayer ? mu : A(0);
+    T* yr = a.y + r * cols;
+    Cols::each(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+      using IO = decltype(io);
+      IO::store((IO::load(v + j) - shift) * rs * IO::load(g + j) + IO::load(b + j), yr + j);
+    });
+    if (a.mean) a.mean[r] = mu;
+    a.rstd[r] = rs;
   }
+}
+
+template <typename T, typename A>
+FUSEDLAYERS_CPU_CLONES void forward_rows(const ForwardArgs<T, A>& a, A* buf, int64_t begin,
+                                         int64_t end) {
+  forward_rows_with<cpu::ScalarColumns>(a, buf, begin, end);
 }
 
 // The backward's per-call inputs: dy, the saved input x (or output y), the row statistics,
@@ -102,27 +122,108 @@ struct BackwardArgs {
 };
 
 // The centred backward's first pass over n columns: sum(dy * gamma) and sum(dy * gamma * xhat),
-// and, kParams, dy * xhat and dy added into pg and pb. A function of its own, not inlined, for
-// its __restrict parameters (the partials never alias the rows), which GCC honours only on a
-// function it compiles as such: inlined, the lane sums stayed in memory, a store and reload
-// per add (perf), since the stores into pg might have been into them.
-template <bool kParams, typename S, typename A>
-FUSEDLAYERS_CPU_CLONES std::pair<A, A> centred_sums(const S* __restrict dy,
-                                                    const S* __restrict x,
-                                                    const A* __restrict g, A* __restrict pg,
-                                                    A* __restrict pb, A mu, A rs, int64_t n) {
-  return cpu::lane_sum2<A>(n, [&](int64_t j) {
-    const A dyj = cpu::to_acc(dy[j]), xhj = (cpu::to_acc(x[j]) - mu) * rs;
+// and, kParams, dy * xhat and dy added into pg and pb.
+template <typename Cols, bool kParams, typename T, typename A>
+FUSEDLAYERS_INLINE std::pair<A, A> centred_sums_with(const T* __restrict dy,
+                                                     const T* __restrict x,
+                                                     const A* __restrict g, A* __restrict pg,
+                                                     A* __restrict pb, A mu, A rs, int64_t n) {
+  return Cols::template sum2<A>(n, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+    using IO = decltype(io);
+    const auto dyj = IO::load(dy + j), xhj = (IO::load(x + j) - mu) * rs;
+    const auto gd = dyj * IO::load(g + j);
     if constexpr (kParams) {
-      pg[j] += dyj * xhj;
-      pb[j] += dyj;
+      IO::store(IO::load(pg + j) + dyj * xhj, pg + j);
+      IO::store(IO::load(pb + j) + dyj, pb + j);
     }
-    return std::pair<A, A>(dyj * g[j], dyj * g[j] * xhj);
+    return std::make_pair(gd, gd * xhj);
   });
 }
 
-// Rows [begin, end): dx, and dy * xhat and dy added into pg and pb (when not null) in row order.
-// buf holds 3 rows of cols values, row_stride apart.
+// The same, column by column, in a function of its own, not inlined, for its __restrict
+// parameters (the partials never alias the rows), which GCC honours only on a function it
+// compiles as such: inlined, the lane sums stayed in memory, a store and reload per add (perf),
+// since the stores into pg might have been into them.
+template <bool kParams, typename T, typename A>
+FUSEDLAYERS_CPU_CLONES std::pair<A, A> centred_sums(const T* __restrict dy,
+                                                    const T* __restrict x,
+                                                    const A* __restrict g, A* __restrict pg,
+                                                    A* __restrict pb, A mu, A rs, int64_t n) {
+  return centred_sums_with<cpu::ScalarColumns, kParams>(dy, x, g, pg, pb, mu, rs, n);
+}
+
+// The common case, kLayer from the saved input, rows [begin, end) in two passes over each row,
+// xhat and dy * gamma recomputed in each: dx, and dy * xhat and dy added into pg and pb (when
+// not null) in row order. Cols: the column loops (cpu_vec.h).
+template <typename Cols, typename T, typename A>
+FUSEDLAYERS_INLINE void centred_rows_with(const BackwardArgs<T, A>& a, A* pg, A* pb,
+                                          int64_t begin, int64_t end) {
+  const int64_t cols = a.cols;
+  const A* g = a.g;
+  const auto sums = [&](const T* dy, const T* x, A mu, A rs) FUSEDLAYERS_LAMBDA_INLINE {
+    if constexpr (std::is_same_v<Cols, cpu::ScalarColumns>)
+      return pg ? centred_sums<true>(dy, x, g, pg, pb, mu, rs, cols)
+                : centred_sums<false>(dy, x, g, pg, pb, mu, rs, cols);
+    else  // Floats accumulators stay in registers without an outlined function
+      return pg ? centred_sums_with<Cols, true>(dy, x, g, pg, pb, mu, rs, cols)
+                : centred_sums_with<Cols, false>(dy, x, g, pg, pb, mu, rs, cols);
+  };
+  for (int64_t r = begin; r < end; ++r) {
+    const T* dy = a.dy + r * cols;
+    const T* x = a.saved + r * cols;
+    const A mu = a.mean[r], rs = a.rstd[r];
+    const auto [sum_gd, sum_gdx] = sums(dy, x, mu, rs);
+    const A mg = sum_gd / A(cols), mgx = sum_gdx / A(cols);
+    T* dx = a.dx + r * cols;
+    Cols::each(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+      using IO = decltype(io);
+      const auto xhj = (IO::load(x + j) - mu) * rs;
+      IO::store(rs * (IO::load(dy + j) * IO::load(g + j) - mg - xhj * mgx), dx + j);
+    });
+  }
+}
+
+template <typename T, typename A>
+FUSEDLAYERS_CPU_CLONES void centred_rows(const BackwardArgs<T, A>& a, A* pg, A* pb,
+                                         int64_t begin, int64_t end) {
+  centred_rows_with<cpu::ScalarColumns>(a, pg, pb, begin, end);
+}
+
+// float16 rows with the conversions in registers: one function per ISA (cpu_vec.h), the same
+// bits as each other and as the float32 loops on staged rows, which they replace (2x faster
+// backward at 768 wide: docs/DESIGN.md, "CPU loops").
+using HalfForward = ForwardArgs<cpu::Half, float>;
+using HalfBackward = BackwardArgs<cpu::Half, float>;
+#define FUSEDLAYERS_HALF_ROWS(isa, target)                                                     \
+  __attribute__((flatten)) target void forward_rows_##isa(const HalfForward& a, float* buf,    \
+                                                          int64_t begin, int64_t end) {        \
+    forward_rows_with<cpu::VectorColumns<cpu::Half##isa>>(a, buf, begin, end);                 \
+  }                                                                                            \
+  __attribute__((flatten)) target void centred_rows_##isa(const HalfBackward& a, float* pg,    \
+                                                          float* pb, int64_t begin,            \
+                                                          int64_t end) {                       \
+    centred_rows_with<cpu::VectorColumns<cpu::Half##isa>>(a, pg, pb, begin, end);              \
+  }
+FUSEDLAYERS_HALF_ROWS(Avx512, FUSEDLAYERS_TARGET_AVX512)
+FUSEDLAYERS_HALF_ROWS(F16c, FUSEDLAYERS_TARGET_F16C)
+FUSEDLAYERS_HALF_ROWS(Portable, )
+#undef FUSEDLAYERS_HALF_ROWS
+
+void forward_rows(const HalfForward& a, float* buf, int64_t begin, int64_t end) {
+  static const auto impl =
+      cpu::pick_isa(forward_rows_Avx512, forward_rows_F16c, forward_rows_Portable);
+  impl(a, buf, begin, end);
+}
+
+void centred_rows(const HalfBackward& a, float* pg, float* pb, int64_t begin, int64_t end) {
+  static const auto impl =
+      cpu::pick_isa(centred_rows_Avx512, centred_rows_F16c, centred_rows_Portable);
+  impl(a, pg, pb, begin, end);
+}
+
+// The other cases (kRms, kKerasRmsScaling, or xhat from the saved output), rows [begin, end):
+// dx, and dy * xhat (or dy * x * rstd) and dy added into pg and pb (when not null) in row
+// order. buf holds 3 rows of cols values, row_stride apart.
 template <typename T, typename A>
 FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A* pb, A* buf,
                                           int64_t begin, int64_t end) {
@@ -134,57 +235,8 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
   A* d = buf;            // dy
   A* xh = d + stride;    // xhat
   A* gd = xh + stride;   // dy * gamma, then dx
-  // float16 columns per staged block: whole rows up to 1024 (docs/DESIGN.md, "CPU loops").
-  constexpr int64_t kStageBlock = 512;
-  const int64_t bc = cpu::kStaged<T> && cols > 2 * kStageBlock ? kStageBlock : cols;
-  // n values at src as the loops read them: converted into buf for float16, src itself else.
-  const auto block_of = [](const T* src, A* buf, int64_t n) {
-    if constexpr (cpu::kStaged<T>) {
-      cpu::load(src, buf, n);
-      return static_cast<const A*>(buf);
-    } else {
-      return src;
-    }
-  };
   for (int64_t r = begin; r < end; ++r) {
     const A rs = a.rstd[r];
-    if (centred && !a.saved_is_output) {
-      // The common case in two passes over the row, xhat and dy * gamma recomputed in each:
-      // the same values as the general path below. float16 is converted into d and xh (and dx
-      // goes out through gd) in blocks of `bc` columns, L1-sized for wide rows: re-converting
-      // a block costs less than re-reading a row staged in float, twice the bytes, from L2.
-      // A row's sums add its blocks' lane sums in block order.
-      const T* dyr = a.dy + r * cols;
-      const T* xr = a.saved + r * cols;
-      const A mu = a.mean[r];
-      A sum_gd = 0, sum_gdx = 0;
-      for (int64_t c0 = 0; c0 < cols; c0 += bc) {
-        const int64_t n = std::min(bc, cols - c0);
-        const auto dyb = block_of(dyr + c0, d, n), xb = block_of(xr + c0, xh, n);
-        const auto [s_gd, s_gdx] =
-            pg ? centred_sums<true>(dyb, xb, g + c0, pg + c0, pb + c0, mu, rs, n)
-               : centred_sums<false>(dyb, xb, g + c0, pg, pb, mu, rs, n);
-        sum_gd += s_gd;
-        sum_gdx += s_gdx;
-      }
-      const A mg = sum_gd / A(cols), mgx = sum_gdx / A(cols);
-      T* dxr = a.dx + r * cols;
-      for (int64_t c0 = 0; c0 < cols; c0 += bc) {
-        const int64_t n = std::min(bc, cols - c0);
-        const auto dyb = block_of(dyr + c0, d, n), xb = block_of(xr + c0, xh, n);
-        const A* gb = g + c0;
-        for (int64_t j = 0; j < n; ++j) {
-          const A xhj = (cpu::to_acc(xb[j]) - mu) * rs;
-          const A dxj = rs * (cpu::to_acc(dyb[j]) * gb[j] - mg - xhj * mgx);
-          if constexpr (cpu::kStaged<T>)
-            gd[j] = dxj;
-          else
-            dxr[c0 + j] = cpu::from_acc<T>(dxj);
-        }
-        if constexpr (cpu::kStaged<T>) cpu::store(gd, dxr + c0, n);
-      }
-      continue;
-    }
     cpu::load(a.dy + r * cols, d, cols);
     cpu::load(a.saved + r * cols, xh, cols);
     const A mu = a.saved_is_output || a.mode == NormMode::kRms ? A(0) : a.mean[r];
@@ -237,11 +289,12 @@ void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for)
     const cpu::Row<A> b =
         cpu::param_or<P, A>(a.mode == NormMode::kLayer ? a.beta : nullptr, cols, A(0));
     const int64_t grain = std::max<int64_t>(1, 16384 / cols);
+    const ForwardArgs<T, A> args{static_cast<const T*>(a.x), g.data(), b.data(),
+                                 static_cast<T*>(a.y), static_cast<A*>(a.mean),
+                                 static_cast<A*>(a.rstd), cols, static_cast<A>(a.eps), a.mode};
     parallel_for(a.rows, grain, [&](int64_t begin, int64_t end) {
       cpu::Row<A> buf(static_cast<size_t>(cols));
-      forward_rows(static_cast<const T*>(a.x), g.data(), b.data(), static_cast<T*>(a.y),
-                   static_cast<A*>(a.mean), static_cast<A*>(a.rstd), buf.data(), begin, end, cols,
-                   static_cast<A>(a.eps), a.mode);
+      forward_rows(args, buf.data(), begin, end);
     });
   });
 }
@@ -257,6 +310,7 @@ void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_fo
   check_sizes("norm_backward", rows, cols);
   check_param_dtype("norm_backward", a.dtype, a.param_dtype);
   const bool want_params = a.dgamma || a.dbeta;
+  const bool centred_from_input = a.mode == NormMode::kLayer && !a.saved_is_output;
   dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
@@ -272,13 +326,16 @@ void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_fo
                                   g.data(), b.data(), static_cast<T*>(a.dx), cols,
                                   a.saved_is_output, a.mode};
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
-      cpu::Row<A> buf(static_cast<size_t>(3 * cpu::row_stride<A>(cols)));
+      cpu::Row<A> buf(centred_from_input ? 0 : static_cast<size_t>(3 * cpu::row_stride<A>(cols)));
       for (int64_t c = cbegin; c < cend; ++c) {
         A* pg = want_params ? partial + c * 2 * cols : nullptr;
         A* pb = want_params ? pg + cols : nullptr;
         if (want_params) std::fill(pg, pg + 2 * cols, A(0));
         const int64_t begin = c * per_chunk, end = std::min(rows, (c + 1) * per_chunk);
-        backward_rows(args, pg, pb, buf.data(), begin, end);
+        if (centred_from_input)
+          centred_rows(args, pg, pb, begin, end);
+        else
+          backward_rows(args, pg, pb, buf.data(), begin, end);
       }
     });
 

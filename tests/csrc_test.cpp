@@ -193,6 +193,91 @@ void norm_test(std::mt19937_64& rng, bool rms) {
                name + " wrong normalized_shape");
 }
 
+// The float16 LayerNorm backward (conversions in registers, one variant per ISA: cpu_vec.h)
+// against float64 on the same float16 inputs, with float32 gamma/beta, at a width with no full
+// vector and one with a partial last block of 32 columns; the same bits for 1 and 4 threads.
+// Returns an FNV-1a digest of every output's bits: tests/test_csrc.py requires it to be the
+// same under each FUSEDLAYERS_CPU_ISA.
+uint64_t half_layer_norm_test(std::mt19937_64& rng) {
+  uint64_t digest = 14695981039346656037ull;
+  const auto mix = [&](const void* p, size_t bytes) {
+    for (size_t i = 0; i < bytes; ++i)
+      digest = (digest ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
+  };
+  for (const int64_t cols : {int64_t(5), int64_t(1000)}) {
+    const int64_t rows = 37;
+    const std::vector<int64_t> shape{rows, cols}, nshape{cols}, sshape{rows};
+    const auto halves = [&](size_t n, float scale, float offset) {
+      std::vector<cpu::Half> h(n);
+      const std::vector<float> v = randn(rng, n);
+      for (size_t i = 0; i < n; ++i) h[i] = cpu::from_acc<cpu::Half>(offset + scale * v[i]);
+      return h;
+    };
+    std::vector<cpu::Half> x = halves(rows * cols, 3, 2), dy = halves(rows * cols, 1, 0);
+    std::vector<float> w = randn(rng, cols), bias = randn(rng, cols), mean(rows), rstd(rows);
+    std::vector<cpu::Half> y(rows * cols);
+    const auto half_ref = [](std::vector<cpu::Half>& v, const std::vector<int64_t>& sizes) {
+      return TensorRef{v.data(), DType::kFloat16, {sizes.data(), int64_t(sizes.size())}, true};
+    };
+    const Sizes ns{nshape.data(), 1};
+    LayerNormForward f{half_ref(x, shape), ns, ref(w, nshape), ref(bias, nshape), 1e-5, false};
+    f.out = y.data();
+    f.mean = mean.data();
+    f.rstd = rstd.data();
+    const RowsCols rc = layer_norm_forward_check(f);
+    layer_norm_forward(f, rc, threads_exec(2));
+    std::vector<double> dx_ref(rows * cols), dw_ref(cols, 0), db_ref(cols, 0);
+    for (int64_t r = 0; r < rows; ++r) {  // from the saved float32 mean and rstd, as the kernel
+      const double mu = mean[r], rs = rstd[r];
+      double mg = 0, mgx = 0;
+      for (int64_t j = 0; j < cols; ++j) {
+        const double xhat = (cpu::to_acc(x[r * cols + j]) - mu) * rs;
+        const double d = cpu::to_acc(dy[r * cols + j]);
+        mg += d * w[j] / cols;
+        mgx += d * w[j] * xhat / cols;
+        dw_ref[j] += d * xhat;
+        db_ref[j] += d;
+      }
+      for (int64_t j = 0; j < cols; ++j) {
+        const double xhat = (cpu::to_acc(x[r * cols + j]) - mu) * rs;
+        dx_ref[r * cols + j] = rs * (cpu::to_acc(dy[r * cols + j]) * w[j] - mg - xhat * mgx);
+      }
+    }
+    std::vector<cpu::Half> dx_once;
+    for (int threads : {1, 4}) {
+      std::vector<cpu::Half> dx(rows * cols);
+      std::vector<float> dw(cols), db(cols);
+      const Exec exec = threads_exec(threads);
+      LayerNormBackward b{half_ref(dy, shape), half_ref(x, shape), ref(mean, sshape),
+                          ref(rstd, sshape), ns, ref(w, nshape), ref(bias, nshape)};
+      b.grad_input = dx.data();
+      b.grad_weight = dw.data();
+      b.grad_bias = db.data();
+      layer_norm_backward_check(b);
+      std::vector<char> ws(layer_norm_backward_workspace_size(b, rc, exec));
+      b.workspace = ws.data();
+      layer_norm_backward(b, rc, exec);
+      std::vector<float> dx_float(rows * cols);
+      for (size_t i = 0; i < dx.size(); ++i) dx_float[i] = cpu::to_acc(dx[i]);
+      const std::string name = "float16 layer_norm " + std::to_string(cols) + " wide";
+      // dx: one float16 rounding of the result (2^-11 relative) beside float32 sums.
+      expect_close(dx_float, dx_ref, 1e-3, 2e-3, name + " dx");
+      expect_close(dw, dw_ref, 1e-4, 1e-5, name + " dweight");
+      expect_close(db, db_ref, 1e-4, 1e-5, name + " dbias");
+      if (dx_once.empty()) {
+        dx_once = dx;
+        mix(dx.data(), dx.size() * 2);
+        mix(dw.data(), dw.size() * 4);
+        mix(db.data(), db.size() * 4);
+      } else {
+        expect(std::memcmp(dx.data(), dx_once.data(), dx.size() * 2) == 0,
+               name + " dx is the same bits for 1 and 4 threads");
+      }
+    }
+  }
+  return digest;
+}
+
 double gelu_ref(double u) { return 0.5 * u * (1 + std::erf(u / std::sqrt(2.0))); }
 double gelu_grad_ref(double u) {
   return 0.5 * (1 + std::erf(u / std::sqrt(2.0))) + u * std::exp(-0.5 * u * u) / std::sqrt(2 * M_PI);
@@ -299,12 +384,14 @@ int main(int argc, char** argv) {
   norm_test(rng, true);
   bias_gelu_test(rng);
   half_conversion_test();
+  const uint64_t half_digest = half_layer_norm_test(rng);
 #ifndef FUSEDLAYERS_WITH_CUDA
   std::vector<float> x(4), y(4);
   const std::vector<int64_t> shape{4};
   expect_error([&] { relu_scale_forward({ref(x, shape), 1.0, y.data()}, Exec::gpu(nullptr)); },
                "built without CUDA kernels", "a CUDA Exec in a CPU-only build");
 #endif
+  std::printf("float16 digest %016llx\n", static_cast<unsigned long long>(half_digest));
   std::printf("%s (seed %llu)\n", failures ? "FAILED" : "all passed", seed);
   return failures ? 1 : 0;
 }

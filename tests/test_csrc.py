@@ -2,6 +2,7 @@
 sources by the system C++ compiler and run with this test's seed."""
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_csrc_cpu_kernels_standalone(tmp_path, seed):
+    """Every check of csrc_test.cpp, under each variant of the float16 loops that pick their ISA
+    at run time (cpu_vec.h), which must all give the same bits."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -21,6 +24,11 @@ def test_csrc_cpu_kernels_standalone(tmp_path, seed):
     sources = [ROOT / "tests/csrc_test.cpp", *sorted(ROOT.glob("csrc/*.cpp"))]
     subprocess.run([cxx, "-std=c++17", "-pthread", "-Wall", *_sources.CXX_FLAGS,
                     f"-I{ROOT}", *map(str, sources), "-o", str(exe)], check=True)
-    run = subprocess.run([str(exe), str(seed)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "all passed" in run.stdout
+    digests = {}
+    for isa in ("avx512", "f16c", "portable"):
+        run = subprocess.run([str(exe), str(seed)], capture_output=True, text=True,
+                             env={**os.environ, "FUSEDLAYERS_CPU_ISA": isa})
+        assert run.returncode == 0, f"FUSEDLAYERS_CPU_ISA={isa}\n" + run.stdout + run.stderr
+        assert "all passed" in run.stdout
+        digests[isa] = re.search(r"float16 digest (\w+)", run.stdout).group(1)
+    assert len(set(digests.values())) == 1, digests

@@ -354,3 +354,17 @@ def test_two_threads_same_op(op, device):
     failures = concurrent_mismatches(
         run, cases, lambda got, want: all(torch.equal(g, r) for g, r in zip(got, want)))
     assert not failures, [tuple(args[0].shape) for args in failures]
+
+
+# ---------------------------------------------------------------- FUSEDLAYERS_CPU_ISA
+
+def check_cpu_isa_error(op):
+    """In a fresh interpreter: the float16 CPU loops read FUSEDLAYERS_CPU_ISA on first use."""
+    with pytest.raises(ValueError, match="FUSEDLAYERS_CPU_ISA must be avx512, f16c or portable, "
+                                         "got 'avx9'"):
+        fusedlayers.torch.layer_norm(torch.ones(2, 4, dtype=torch.float16), 4)
+
+
+def test_bad_cpu_isa_is_a_clear_error():
+    assert_survives_subprocess("test_errors", "check_cpu_isa_error", ["layer_norm"],
+                               env_extra={"FUSEDLAYERS_CPU_ISA": "avx9"})
