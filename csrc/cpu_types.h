@@ -106,8 +106,9 @@ template <> FUSEDLAYERS_INLINE BFloat16 from_acc<BFloat16>(float v) {
 
 // float16 <-> float32 for n values with the CPU's conversion instructions where it has them
 // (cpu_half.cpp): the same bits as to_acc / from_acc, one instruction per 8 or 16 values. So the
-// loops stage float16 rows in float (kStaged), while bfloat16 converts element by element inside
-// them (a shift to load, five integer operations to store: cheaper than a pass of its own).
+// loops stage float16 rows in float (kStaged) where they do not convert in registers
+// (cpu_vec.h), while bfloat16 converts element by element inside them (a shift to load, five
+// integer operations to store: cheaper than a pass of its own).
 void half_to_float(const Half* src, float* dst, int64_t n);
 void float_to_half(const float* src, Half* dst, int64_t n);
 
