@@ -24,8 +24,12 @@ namespace cpu {
 constexpr int kVec = 16;
 using Floats = float __attribute__((vector_size(kVec * sizeof(float))));
 
-FUSEDLAYERS_INLINE void load_floats(const float* src, Floats& v) { std::memcpy(&v, src, sizeof v); }
-FUSEDLAYERS_INLINE void store_floats(const Floats& v, float* dst) { std::memcpy(dst, &v, sizeof v); }
+FUSEDLAYERS_INLINE void load_floats(const float* src, Floats& v) {
+  std::memcpy(&v, src, sizeof v);
+}
+FUSEDLAYERS_INLINE void store_floats(const Floats& v, float* dst) {
+  std::memcpy(dst, &v, sizeof v);
+}
 
 // Every variant gives to_acc / from_acc's bits: round to nearest even, NaN payloads and signs
 // kept, subnormal halves exact (tests/csrc_test.cpp checks each against them). Not inlined

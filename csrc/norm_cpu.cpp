@@ -1,6 +1,6 @@
-// CPU row normalization (math and dtypes: norm.h): rows split over tasks for the forward and dx; dgamma/dbeta summed per fixed
-// chunk of rows into the workspace, then over chunks in chunk order, so results are thread-count
-// invariant. Rows run in target clones (cpu_types.h).
+// CPU row normalization (math and dtypes: norm.h): rows split over tasks for the forward and
+// dx; dgamma/dbeta summed per fixed chunk of rows into the workspace, then over chunks in chunk
+// order, so results are thread-count invariant. Rows run in target clones (cpu_types.h).
 #include "cpu_vec.h"  // first: it includes the intrinsics before cpu_types.h
 #include "norm.h"
 
@@ -78,11 +78,11 @@ FUSEDLAYERS_INLINE void forward_rows_with(const ForwardArgs<T, A>& a, A* buf, in
     // The mean as x[0] + mean(x - x[0]): the sum then rounds at the scale of the deviations,
     // not of the mean (rows at 100 std: 1 ulp of the mean where a plain float sum was off ~2).
     const A x0 = cpu::Scalar::load(v);
-    const A mu = a.mode == NormMode::kRms
-                     ? A(0)
-                     : x0 + Cols::template sum<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
-                         return decltype(io)::load(v + j) - x0;
-                       }) / A(cols);
+    auto centred = [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+      return decltype(io)::load(v + j) - x0;
+    };
+    const A mu =
+        a.mode == NormMode::kRms ? A(0) : x0 + Cols::template sum<A>(cols, centred) / A(cols);
     const A var = Cols::template sum<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
                     const auto dev = decltype(io)::load(v + j) - mu;
                     return dev * dev;
@@ -302,7 +302,8 @@ void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for)
 size_t norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
   check_sizes("norm_backward", rows, cols);
   const size_t acc_bytes = dtype == DType::kFloat64 ? 8 : 4;
-  return static_cast<size_t>(cpu::num_chunks(rows, cols)) * 2 * static_cast<size_t>(cols) * acc_bytes;
+  return static_cast<size_t>(cpu::num_chunks(rows, cols)) * 2 * static_cast<size_t>(cols) *
+         acc_bytes;
 }
 
 void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_for) {

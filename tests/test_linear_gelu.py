@@ -184,6 +184,39 @@ def test_negative_tail_relative_accuracy(approximate, dtype):
     assert worst <= (2e-5 if dtype == torch.float32 else 1e-13), worst
 
 
+@pytest.mark.parametrize("approximate", APPROX)
+def test_float32_elementwise_accuracy(approximate):
+    # GELU and its gradient at every 2^-10 in [-13, 13], each value against float64. With w = 1
+    # and no bias the GEMM is exact, so this sees the epilogue alone: the tests above measure
+    # errors against the GEMM's magnitude, which hides a GELU error where gelu(u) is small.
+    u = torch.arange(-13 * 1024, 13 * 1024 + 1, dtype=torch.float32) / 1024
+    x = u[:, None].clone().requires_grad_()
+    y = fusedlayers.linear_gelu(x, torch.ones(1, 1), None, approximate)
+    (dx,) = torch.autograd.grad(y.sum(), x)  # w = 1: dx is gelu'(u) itself
+    v = u.double().requires_grad_()
+    # arg: what the kernels take e^ of. Its float rounding (2^-24 relative) becomes an error
+    # of about arg * 2^-24 relative in the negative tail, on top of a few ulps.
+    if approximate == "none":
+        exact = v * 0.5 * torch.special.erfc(-v / math.sqrt(2))
+        arg = v.detach() ** 2 / 2
+    else:
+        z = math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)
+        exact = v * torch.sigmoid(2 * z)
+        arg = 2 * z.detach().abs()
+    (grad,) = torch.autograd.grad(exact.sum(), v)
+    exact, v, y, dx = exact.detach(), v.detach(), y[:, 0].double(), dx[:, 0].double()
+    bound = 6e-7 + 2e-7 * arg * (v < 0)
+    # Past e^-87 the negative tail underflows: results below 2^-100 may be flushed to zero.
+    under = (arg > 87) & (v < 0)
+    assert ((y - exact).abs() <= bound * exact.abs())[~under].all()
+    assert (y[under].abs() <= 2.0**-100).all() and (dx[under].abs() <= 2.0**-100).all()
+    tail = ~under & (v <= -3)
+    assert ((dx - grad).abs() <= bound * grad.abs())[tail].all()
+    # gelu' crosses zero near u = -0.75: relative to max(|gelu'|, 0.1) there. 4e-6: the tanh
+    # form's 1 - s cancellation (the calibration floors' note).
+    assert ((dx - grad).abs() <= 4e-6 * grad.abs().clamp_min(0.1))[v > -3].all()
+
+
 def test_one_dim_input():
     x = torch.randn(7, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 7, dtype=torch.float64)
