@@ -1,10 +1,12 @@
 """Builds fusedlayers: the PyTorch extension fusedlayers._C (csrc kernels + torch binding) and,
 when tensorflow is importable, the TensorFlow op library fusedlayers/_tf_ops.so (the same csrc
-kernels + the TF binding).
+kernels + the TF binding), and when jax is, the JAX library fusedlayers/_jax_ops.so (the same
+csrc kernels + the XLA FFI handlers).
 
 Install with `pip install --no-build-isolation -e .`: the libraries compile against the torch
 and tensorflow already installed, which pip's isolated build environment would hide."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -25,20 +27,22 @@ except ImportError:
 
 
 
-class BuildWithTensorFlow(BuildExtension):
-    """Builds the torch extension, then the TF op library next to it when TF is importable."""
+class BuildWithFrameworks(BuildExtension):
+    """Builds the torch extension, then next to it the TF op library when tensorflow is
+    importable and the JAX library when jax is."""
 
     def run(self):
         super().run()
-        try:
-            import tensorflow  # noqa: F401
-        except ImportError as e:
-            print(f"fusedlayers: skipping the TensorFlow op library: tensorflow is not "
-                  f"importable ({e})")
-            return
-        from fusedlayers.tensorflow import _library
         package_dir = Path(self.get_ext_fullpath("fusedlayers._C")).parent
-        _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
+        for framework in ("tensorflow", "jax"):
+            try:
+                __import__(framework)
+            except ImportError as e:
+                print(f"fusedlayers: skipping the {framework} library: {framework} is not "
+                      f"importable ({e})")
+                continue
+            _library = importlib.import_module(f"fusedlayers.{framework}._library")
+            _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
 
 
 cuda, why = _sources.use_cuda("torch", torch.version.cuda, CUDA_HOME, os.environ)
@@ -62,15 +66,17 @@ EXAMPLES_REQUIRE = ["scikit-learn", "einops", "matplotlib", "tqdm", "transformer
 setup(
     name="fusedlayers",
     version=__version__,
-    description="Fused ReLU*scale, Linear+GELU and LayerNorm for PyTorch and TensorFlow",
+    description="Fused ReLU*scale, Linear+GELU, LayerNorm and RMSNorm for PyTorch, TensorFlow "
+                "and JAX",
     packages=find_packages(include=["fusedlayers", "fusedlayers.*"]),
     ext_modules=[extension],
-    cmdclass={"build_ext": BuildWithTensorFlow},
+    cmdclass={"build_ext": BuildWithFrameworks},
     python_requires=">=3.10",
     extras_require={
         # The tests run the examples (distributed) and the bench's plots: they need theirs too.
         "test": ["pytest", "numpy", "expecttest", *EXAMPLES_REQUIRE],
         "tensorflow": ["tensorflow-cpu==2.21.0"],
+        "jax": ["jax"],
         "examples": EXAMPLES_REQUIRE,
     },
 )

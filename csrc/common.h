@@ -84,6 +84,9 @@ struct TensorRef {
   bool defined = false;
 };
 
+// The data of an optional argument, null where it is absent (whatever pointer a binding passed).
+inline const void* data_if(const TensorRef& t) { return t.defined ? t.data : nullptr; }
+
 // Thrown for invalid arguments. Bindings map kValue to ValueError / InvalidArgumentError and
 // kType (a dtype that the op does not take) to TypeError / InvalidArgumentError.
 class Error : public std::invalid_argument {

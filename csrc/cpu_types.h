@@ -227,8 +227,8 @@ FUSEDLAYERS_INLINE const A* staged(const T* src, A* buf, int64_t n) {
 // by the thread count, so per-chunk partials summed in chunk order give reproducible results.
 // Each chunk zeroes, accumulates and re-reads a row of partials per sum, the traffic of a few
 // rows: so at least kMinChunkElements per chunk (small inputs pay none of it), and beyond
-// kParallelChunks chunks at least kMinChunkRows rows each (4 rows of 16384 float columns per
-// chunk made the partials a third of the traffic: the 256 x 16384 backward 15-20% slower).
+// kParallelChunks chunks at least kMinChunkRows rows each (with a few rows of wide columns per
+// chunk the partials were a third of the traffic).
 inline int64_t num_chunks(int64_t rows, int64_t cols) {
   constexpr int64_t kMaxChunks = 64, kMinChunkElements = 32768;
   constexpr int64_t kParallelChunks = 16, kMinChunkRows = 16;

@@ -1,9 +1,9 @@
 // The LayerNorm op: torch.nn.functional.layer_norm's contract, plus Keras' rms_scaling, on the
 // row normalization kernels of norm.h (the math, dtypes and determinism are stated there).
 //
-// Every argument rule is checked here, for every binding: input's trailing dims equal
+// Every argument rule is checked here, for every binding: x's trailing dims equal
 // normalized_shape (non-empty, positive sizes); weight and bias have shape normalized_shape and
-// input's dtype, or float32 for float16/bfloat16 input, one dtype for both; eps finite and >= 0;
+// x's dtype, or float32 for float16/bfloat16 x, one dtype for both; eps finite and >= 0;
 // no bias with rms_scaling; memory_efficient only without rms_scaling. Errors: Error of kind
 // kType for dtypes, kValue otherwise. Tensors are contiguous; the bindings allocate the outputs.
 #pragma once
@@ -13,28 +13,28 @@
 namespace fusedlayers {
 
 struct LayerNormForward {
-  TensorRef input;  // (..., *normalized_shape)
+  TensorRef x;  // (..., *normalized_shape)
   Sizes normalized_shape;
   TensorRef weight, bias;  // normalized_shape, or not defined
   double eps = 1e-5;
   bool rms_scaling = false;  // NormMode::kKerasRmsScaling instead of kLayer
-  // Outputs: out like input; mean, rstd of input's leading dims in norm_stat_dtype(input.dtype).
-  void* out = nullptr;
+  // Outputs: y like x; mean, rstd of x's leading dims in norm_stat_dtype(x.dtype).
+  void* y = nullptr;
   void* mean = nullptr;
   void* rstd = nullptr;
 };
 
 struct LayerNormBackward {
-  TensorRef grad_out;  // like saved
-  TensorRef saved;     // input, or out when memory_efficient
+  TensorRef dy;  // like saved
+  TensorRef saved;     // x, or y when memory_efficient
   TensorRef mean, rstd;
   Sizes normalized_shape;
   TensorRef weight, bias;
   bool memory_efficient = false, rms_scaling = false;
-  // Outputs: grad_input like saved; grad_weight / grad_bias like weight / bias where defined.
-  void* grad_input = nullptr;
-  void* grad_weight = nullptr;
-  void* grad_bias = nullptr;
+  // Outputs: dx like saved; dweight / dbias like weight / bias where defined.
+  void* dx = nullptr;
+  void* dweight = nullptr;
+  void* dbias = nullptr;
   void* workspace = nullptr;  // layer_norm_backward_workspace_size() bytes
 };
 

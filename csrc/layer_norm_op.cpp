@@ -9,7 +9,7 @@ NormMode mode_of(bool rms_scaling) {
   return rms_scaling ? NormMode::kKerasRmsScaling : NormMode::kLayer;
 }
 
-// The rules forward and backward share, for `op` on input (or saved) x.
+// The rules forward and backward share, for `op` on x (or saved).
 RowsCols check_common(const char* op, const TensorRef& x, Sizes normalized_shape,
                       const TensorRef& weight, const TensorRef& bias, bool rms_scaling) {
   const RowsCols rc = check_norm_input(op, x, normalized_shape);
@@ -24,15 +24,15 @@ RowsCols check_common(const char* op, const TensorRef& x, Sizes normalized_shape
 
 RowsCols layer_norm_forward_check(const LayerNormForward& a) {
   const RowsCols rc =
-      check_common("layer_norm", a.input, a.normalized_shape, a.weight, a.bias, a.rms_scaling);
+      check_common("layer_norm", a.x, a.normalized_shape, a.weight, a.bias, a.rms_scaling);
   check_eps("layer_norm", a.eps);
   return rc;
 }
 
 void layer_norm_forward(const LayerNormForward& a, RowsCols rc, const Exec& exec) {
-  norm_forward({a.input.data, a.weight.data, a.bias.data, a.out, a.mean, a.rstd, rc.rows,
-                rc.cols, a.eps, 0.0f, mode_of(a.rms_scaling), a.input.dtype,
-                norm_param_dtype(a.input, a.weight, a.bias)},
+  norm_forward({a.x.data, data_if(a.weight), data_if(a.bias), a.y, a.mean, a.rstd, rc.rows,
+                rc.cols, a.eps, 0.0f, mode_of(a.rms_scaling), a.x.dtype,
+                norm_param_dtype(a.x, a.weight, a.bias)},
                exec);
 }
 
@@ -42,7 +42,7 @@ RowsCols layer_norm_backward_check(const LayerNormBackward& a) {
       check_common(op, a.saved, a.normalized_shape, a.weight, a.bias, a.rms_scaling);
   if (a.memory_efficient && a.rms_scaling)
     arg_error(op, "memory_efficient needs rms_scaling False");
-  check_norm_backward(op, a.grad_out, a.saved, a.mean, a.rstd, rc.rows, !a.memory_efficient);
+  check_norm_backward(op, a.dy, a.saved, a.mean, a.rstd, rc.rows, !a.memory_efficient);
   return rc;
 }
 
@@ -53,10 +53,10 @@ size_t layer_norm_backward_workspace_size(const LayerNormBackward& a, RowsCols r
 }
 
 void layer_norm_backward(const LayerNormBackward& a, RowsCols rc, const Exec& exec) {
-  norm_backward({a.grad_out.data, a.saved.data, a.memory_efficient ? nullptr : a.mean.data,
-                 a.rstd.data, a.weight.data, a.bias.data, a.grad_input,
-                 a.weight.defined ? a.grad_weight : nullptr,
-                 a.bias.defined ? a.grad_bias : nullptr, a.workspace, rc.rows, rc.cols, 0.0f,
+  norm_backward({a.dy.data, a.saved.data, a.memory_efficient ? nullptr : a.mean.data,
+                 a.rstd.data, data_if(a.weight), data_if(a.bias), a.dx,
+                 a.weight.defined ? a.dweight : nullptr,
+                 a.bias.defined ? a.dbias : nullptr, a.workspace, rc.rows, rc.cols, 0.0f,
                  a.memory_efficient, mode_of(a.rms_scaling), a.saved.dtype,
                  norm_param_dtype(a.saved, a.weight, a.bias)},
                 exec);

@@ -173,17 +173,17 @@ void matmul(const LtContext& lt, DType dtype, const Gemm& g) {
 
 void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtContext& lt) {
   const auto [m, n, k] = s;
-  const void *x = a.input.data, *w = a.weight.data;
+  const void *x = a.x.data, *w = a.weight.data;
   const void* bias = a.bias.defined ? a.bias.data : nullptr;
-  void *pre = a.pre, *y = a.out;
+  void *pre = a.pre, *y = a.y;
   const GeluApprox approx = a.approx;
-  const DType dtype = a.input.dtype;
+  const DType dtype = a.x.dtype;
   if (m == 0 || n == 0) return;
   void* h = pre ? pre : y;  // the GEMM's output when the GELU is a separate pass
   if (k == 0) {  // x W^T is all zeros: no GEMM to run
     cuda::check(cudaMemsetAsync(h, 0, size_t(m * n) * dtype_size(dtype), lt.stream),
                 "cudaMemsetAsync");
-    bias_gelu_forward_cuda(h, bias, pre, y, m, n, approx, dtype, lt.stream);
+    linear_gelu_epilogue_forward_cuda(h, bias, pre, y, m, n, approx, dtype, lt.stream);
     return;
   }
   // Row-major pre (m x n) = x W^T is column-major pre^T (n x m) = W x^T. B = x (k x m stored);
@@ -203,26 +203,26 @@ void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtC
   g.bias = bias;
   g.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   matmul(lt, dtype, g);
-  bias_gelu_forward_cuda(h, nullptr, nullptr, y, m, n, approx, dtype, lt.stream);  // h holds pre
+  linear_gelu_epilogue_forward_cuda(h, nullptr, nullptr, y, m, n, approx, dtype, lt.stream);  // h holds pre
 }
 
 size_t linear_gelu_backward_workspace_size_cuda(GemmSizes s, DType dtype) {
   const int64_t m = s.m, n = s.n;
   const size_t dpre = (size_t(m * n) * dtype_size(dtype) + 255) / 256 * 256;
-  return dpre + bias_gelu_backward_workspace_size_cuda(m, n, dtype);
+  return dpre + linear_gelu_epilogue_backward_workspace_size_cuda(m, n, dtype);
 }
 
 void linear_gelu_backward_cuda(const LinearGeluBackward& a, GemmSizes s, const LtContext& lt) {
   const auto [m, n, k] = s;
-  const void *dy = a.grad_out.data, *x = a.input.data, *w = a.weight.data, *pre = a.pre.data;
-  void *dx = a.grad_input, *dw = a.grad_weight, *workspace = a.workspace;
-  void* dbias = a.has_bias ? a.grad_bias : nullptr;
+  const void *dy = a.dy.data, *x = a.x.data, *w = a.weight.data, *pre = a.pre.data;
+  void *dx = a.dx, *dw = a.dweight, *workspace = a.workspace;
+  void* dbias = a.has_bias ? a.dbias : nullptr;
   const GeluApprox approx = a.approx;
-  const DType dtype = a.input.dtype;
+  const DType dtype = a.x.dtype;
   if (n > 0 && !workspace) fail("linear_gelu_backward: workspace is null");  // 0 bytes if n = 0
   char* dpre = static_cast<char*>(workspace);
   void* slabs = dpre + (size_t(m * n) * dtype_size(dtype) + 255) / 256 * 256;
-  bias_gelu_backward_cuda(dy, pre, dpre, dbias, slabs, m, n, approx, dtype, lt.stream);
+  linear_gelu_epilogue_backward_cuda(dy, pre, dpre, dbias, slabs, m, n, approx, dtype, lt.stream);
   if (k == 0) return;  // dx and dw are empty
   if (m == 0 || n == 0) {  // dpre is empty: dx = 0, dW = 0
     cuda::check(cudaMemsetAsync(dx, 0, size_t(m * k) * dtype_size(dtype), lt.stream), "memset");

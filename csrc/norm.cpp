@@ -6,7 +6,21 @@
 
 namespace fusedlayers {
 
+bool norm_param_dtype_ok(DType dtype, DType param_dtype) {
+  const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+  return param_dtype == dtype || (half && param_dtype == DType::kFloat32);
+}
+
+namespace {
+void check_param_dtype(const char* pass, DType dtype, DType param_dtype) {
+  if (!norm_param_dtype_ok(dtype, param_dtype))
+    fail(std::string(pass) + ": parameter dtype " + dtype_name(param_dtype) + " for x of " +
+         dtype_name(dtype));
+}
+}  // namespace
+
 void norm_forward(const NormForwardArgs& a, const Exec& exec) {
+  check_param_dtype("norm_forward", a.dtype, a.param_dtype);
   FUSEDLAYERS_ON_DEVICE(exec, norm_forward_cpu(a, exec.parallel_for),
                         norm_forward_cuda(a, exec.stream));
 }
@@ -22,6 +36,7 @@ void norm_backward(const NormBackwardArgs& a, const Exec& exec) {
   if ((a.saved_is_output || a.dbeta) && a.mode != NormMode::kLayer)
     fail("norm_backward: saved_is_output and beta need NormMode::kLayer");
   if ((a.dgamma || a.dbeta) && !a.workspace) fail("norm_backward: workspace is null");
+  check_param_dtype("norm_backward", a.dtype, a.param_dtype);
   FUSEDLAYERS_ON_DEVICE(exec, norm_backward_cpu(a, exec.parallel_for),
                         norm_backward_cuda(a, exec.stream));
 }
@@ -32,36 +47,29 @@ std::string count(int64_t n, const TensorRef& t) {
 }
 }  // namespace
 
-Sizes trailing_dims(const char* op, const TensorRef& input, int64_t k) {
-  if (k < 1 || input.sizes.size < k)
-    arg_error(op, "input must have at least " + std::to_string(k) + " dims, got shape " +
-                      input.sizes.str());
-  return input.sizes.tail(k);
-}
-
-RowsCols check_norm_input(const char* op, const TensorRef& input, Sizes normalized_shape) {
+RowsCols check_norm_input(const char* op, const TensorRef& x, Sizes normalized_shape) {
   const int64_t k = normalized_shape.size;
   if (k == 0) arg_error(op, "normalized_shape must not be empty");
   for (int64_t i = 0; i < k; ++i)
     if (normalized_shape[i] <= 0)
       arg_error(op, "normalized_shape must have positive sizes, got " + normalized_shape.str());
-  if (input.sizes.size < k || !(input.sizes.tail(k) == normalized_shape))
+  if (x.sizes.size < k || !(x.sizes.tail(k) == normalized_shape))
     arg_error(op, "the last " + std::to_string(k) +
-                      " dimension(s) of input must equal normalized_shape " +
-                      normalized_shape.str() + ", got input of shape " + input.sizes.str());
+                      " dimension(s) of x must equal normalized_shape " +
+                      normalized_shape.str() + ", got x of shape " + x.sizes.str());
   const int64_t cols = normalized_shape.numel();
-  return {input.sizes.numel() / cols, cols};
+  return {x.sizes.numel() / cols, cols};
 }
 
 void check_norm_param(const char* op, const char* arg, const TensorRef& param,
-                      const TensorRef& input, Sizes normalized_shape) {
+                      const TensorRef& x, Sizes normalized_shape) {
   if (!param.defined) return;
   if (!(param.sizes == normalized_shape))
     arg_error(op, std::string(arg) + " must have shape normalized_shape " +
                       normalized_shape.str() + ", got " + param.sizes.str());
-  const bool half = input.dtype == DType::kFloat16 || input.dtype == DType::kBFloat16;
-  if (param.dtype != input.dtype && !(half && param.dtype == DType::kFloat32))
-    arg_error(op, std::string(arg) + " must have input's dtype " + dtype_name(input.dtype) +
+  const bool half = x.dtype == DType::kFloat16 || x.dtype == DType::kBFloat16;
+  if (!norm_param_dtype_ok(x.dtype, param.dtype))
+    arg_error(op, std::string(arg) + " must have x's dtype " + dtype_name(x.dtype) +
                       (half ? " or float32" : "") + ", got " + dtype_name(param.dtype),
               Error::Kind::kType);
 }
@@ -78,13 +86,13 @@ void check_eps(const char* op, double eps) {
     arg_error(op, "eps must be finite and >= 0, got " + format_number(eps));
 }
 
-void check_norm_backward(const char* op, const TensorRef& grad_out, const TensorRef& saved,
+void check_norm_backward(const char* op, const TensorRef& dy, const TensorRef& saved,
                          const TensorRef& mean, const TensorRef& rstd, int64_t rows,
                          bool with_mean) {
-  if (!(grad_out.sizes == saved.sizes) || grad_out.dtype != saved.dtype)
-    arg_error(op, "grad_out must match saved (" + saved.sizes.str() + ", " +
-                      dtype_name(saved.dtype) + "), got " + grad_out.sizes.str() + ", " +
-                      dtype_name(grad_out.dtype));
+  if (!(dy.sizes == saved.sizes) || dy.dtype != saved.dtype)
+    arg_error(op, "dy must match saved (" + saved.sizes.str() + ", " +
+                      dtype_name(saved.dtype) + "), got " + dy.sizes.str() + ", " +
+                      dtype_name(dy.dtype));
   const DType stat = norm_stat_dtype(saved.dtype);
   const bool mean_ok = !with_mean || (mean.sizes.numel() == rows && mean.dtype == stat);
   if (rstd.sizes.numel() != rows || rstd.dtype != stat || !mean_ok)
@@ -94,10 +102,10 @@ void check_norm_backward(const char* op, const TensorRef& grad_out, const Tensor
                       count(rstd.sizes.numel(), rstd));
 }
 
-DType norm_param_dtype(const TensorRef& input, const TensorRef& weight, const TensorRef& bias) {
+DType norm_param_dtype(const TensorRef& x, const TensorRef& weight, const TensorRef& bias) {
   if (weight.defined) return weight.dtype;
   if (bias.defined) return bias.dtype;
-  return input.dtype;
+  return x.dtype;
 }
 
 }  // namespace fusedlayers

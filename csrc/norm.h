@@ -92,27 +92,29 @@ void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream);
 size_t norm_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype);
 void norm_backward_cuda(const NormBackwardArgs& a, cudaStream_t stream);
 
+// Whether parameters of param_dtype go with x of dtype: x's dtype, or float32 for float16 and
+// bfloat16 x. The one statement of the rule: the op checks and the passes below use it.
+bool norm_param_dtype_ok(DType dtype, DType param_dtype);
+
 // The pass on exec's device: CPU or CUDA (an Error when built without CUDA).
 void norm_forward(const NormForwardArgs& a, const Exec& exec);
 size_t norm_backward_workspace_size(int64_t rows, int64_t cols, DType dtype, const Exec& exec);
 void norm_backward(const NormBackwardArgs& a, const Exec& exec);
 
 // Argument checks shared by the norm ops; messages name `op` and its arguments.
-// The last k dims of input, as normalized_shape for bindings that take a count of dims.
-Sizes trailing_dims(const char* op, const TensorRef& input, int64_t k);
-// input's trailing dims equal normalized_shape (non-empty, positive sizes).
-RowsCols check_norm_input(const char* op, const TensorRef& input, Sizes normalized_shape);
-// A parameter (`arg`, if defined) of shape normalized_shape, input's dtype or float32 for half.
+// x's trailing dims equal normalized_shape (non-empty, positive sizes).
+RowsCols check_norm_input(const char* op, const TensorRef& x, Sizes normalized_shape);
+// A parameter (`arg`, if defined) of shape normalized_shape, x's dtype or float32 for half.
 void check_norm_param(const char* op, const char* arg, const TensorRef& param,
-                      const TensorRef& input, Sizes normalized_shape);
+                      const TensorRef& x, Sizes normalized_shape);
 // Two defined parameters share a dtype.
 void check_same_param_dtype(const char* op, const TensorRef& weight, const TensorRef& bias);
 void check_eps(const char* op, double eps);
-// grad_out like saved; rstd (and mean when `with_mean`) hold rows values of the stat dtype.
-void check_norm_backward(const char* op, const TensorRef& grad_out, const TensorRef& saved,
+// dy like saved; rstd (and mean when `with_mean`) hold rows values of the stat dtype.
+void check_norm_backward(const char* op, const TensorRef& dy, const TensorRef& saved,
                          const TensorRef& mean, const TensorRef& rstd, int64_t rows,
                          bool with_mean);
-// The dtype of the parameters: weight's, bias', or input's when neither is defined.
-DType norm_param_dtype(const TensorRef& input, const TensorRef& weight, const TensorRef& bias);
+// The dtype of the parameters: weight's, bias', or x's when neither is defined.
+DType norm_param_dtype(const TensorRef& x, const TensorRef& weight, const TensorRef& bias);
 
 }  // namespace fusedlayers

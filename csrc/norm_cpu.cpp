@@ -22,13 +22,6 @@ void check_sizes(const char* op, int64_t rows, int64_t cols) {
   if (cols < 1) fail(std::string(op) + ": cols must be >= 1, got " + std::to_string(cols));
 }
 
-void check_param_dtype(const char* op, DType dtype, DType param_dtype) {
-  const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
-  if (param_dtype != dtype && !(half && param_dtype == DType::kFloat32))
-    fail(std::string(op) + ": gamma/beta dtype must be " + dtype_name(dtype) +
-         (half ? " or float32" : "") + ", got " + dtype_name(param_dtype));
-}
-
 // gamma = weight + offset in the accumulation type, 1 where weight is absent.
 template <typename P, typename A>
 cpu::Row<A> gamma_or_one(const void* weight, int64_t cols, float offset) {
@@ -38,7 +31,8 @@ cpu::Row<A> gamma_or_one(const void* weight, int64_t cols, float offset) {
   return g;
 }
 
-// Calls fn(T{}, P{}) for the input storage type T and the parameter storage type P.
+// Calls fn(T{}, P{}) for the input storage type T and the parameter storage type P (x's, or
+// float32: norm_param_dtype_ok, checked by norm_forward / norm_backward).
 template <typename Fn>
 void dispatch2(DType dtype, DType param_dtype, Fn&& fn) {
   cpu::dispatch(dtype, [&](auto t) {
@@ -190,8 +184,8 @@ FUSEDLAYERS_CPU_CLONES void centred_rows(const BackwardArgs<T, A>& a, A* pg, A* 
 }
 
 // float16 rows with the conversions in registers: one function per ISA (cpu_vec.h), the same
-// bits as each other and as the float32 loops on staged rows, which they replace (2x faster
-// backward at 768 wide: docs/DESIGN.md, "CPU loops").
+// bits as each other and as the float32 loops on staged rows, which they replace (faster:
+// docs/DESIGN.md, "CPU loops").
 using HalfForward = ForwardArgs<cpu::Half, float>;
 using HalfBackward = BackwardArgs<cpu::Half, float>;
 #define FUSEDLAYERS_HALF_ROWS(isa, target)                                                     \
@@ -278,7 +272,6 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
 
 void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for) {
   check_sizes("norm", a.rows, a.cols);
-  check_param_dtype("norm", a.dtype, a.param_dtype);
   if (a.rows == 0) return;
   const int64_t cols = a.cols;
   dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
@@ -309,7 +302,6 @@ size_t norm_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype)
 void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_for) {
   const int64_t rows = a.rows, cols = a.cols;
   check_sizes("norm_backward", rows, cols);
-  check_param_dtype("norm_backward", a.dtype, a.param_dtype);
   const bool want_params = a.dgamma || a.dbeta;
   const bool centred_from_input = a.mode == NormMode::kLayer && !a.saved_is_output;
   dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {

@@ -538,14 +538,11 @@ bool with_shape(int64_t cols, Fn&& fn) {
   return launched;
 }
 
-void check_args(const char* op, int64_t rows, int64_t cols, DType dtype, DType param_dtype) {
+void check_args(const char* op, int64_t rows, int64_t cols, DType dtype) {
   if (rows < 0) fail(std::string(op) + ": rows must be >= 0, got " + std::to_string(rows));
   if (cols < 1) fail(std::string(op) + ": cols must be >= 1, got " + std::to_string(cols));
   if (cols > INT32_MAX) fail(std::string(op) + ": cols must be < 2^31");
   if (dtype == DType::kFloat64) fail(std::string(op) + ": float64 is not supported on CUDA");
-  if (param_dtype != dtype && param_dtype != DType::kFloat32)
-    fail(std::string(op) + ": gamma/beta dtype must be " + dtype_name(dtype) +
-         " or float32, got " + dtype_name(param_dtype));
 }
 
 // Calls fn(T{}, P{}) for the CUDA storage types of x and gamma/beta.
@@ -574,7 +571,7 @@ int64_t backward_groups_max() { return int64_t(cuda::sm_count()) * kBackwardMaxB
 
 void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
   const int64_t rows = a.rows, cols = a.cols;
-  check_args("norm", rows, cols, a.dtype, a.param_dtype);
+  check_args("norm", rows, cols, a.dtype);
   if (rows == 0) return;
   dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
@@ -615,13 +612,13 @@ void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
 }
 
 size_t norm_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
-  check_args("norm_backward", rows, cols, dtype, dtype);
+  check_args("norm_backward", rows, cols, dtype);
   return size_t(backward_groups_max()) * 2 * size_t(cols) * sizeof(A);
 }
 
 void norm_backward_cuda(const NormBackwardArgs& a, cudaStream_t stream) {
   const int64_t rows = a.rows, cols = a.cols;
-  check_args("norm_backward", rows, cols, a.dtype, a.param_dtype);
+  check_args("norm_backward", rows, cols, a.dtype);
   const bool want_params = a.dgamma || a.dbeta;
   const bool saved_is_output = a.saved_is_output;
   dispatch2(a.dtype, a.param_dtype, [&](auto t, auto p) {

@@ -20,21 +20,21 @@ namespace fusedlayers {
 inline int64_t relu_scale_mask_words(int64_t n) { return (n + 31) / 32; }
 
 // The op's contract, for every binding: alpha finite; the mask of the backward holds
-// relu_scale_mask_words(n) words for grad_out's n elements. Errors: Error of kind kValue. Tensors
-// are contiguous; the bindings allocate the outputs (like x / grad_out, and the mask).
+// relu_scale_mask_words(n) words for dy's n elements. Errors: Error of kind kValue. Tensors
+// are contiguous; the bindings allocate the outputs (like x / dy, and the mask).
 struct ReluScaleForward {
   TensorRef x;
   double alpha = 1.0;
-  void* out = nullptr;       // may alias x.data
+  void* y = nullptr;       // may alias x.data
   uint32_t* mask = nullptr;  // relu_scale_mask_words(n) words, written when not null
 };
 
 struct ReluScaleBackward {
-  TensorRef grad_out;
+  TensorRef dy;
   const uint32_t* mask = nullptr;  // as the forward wrote it
   Sizes mask_sizes;
   double alpha = 1.0;
-  void* grad_input = nullptr;  // may alias grad_out.data
+  void* dx = nullptr;  // may alias dy.data
 };
 
 void relu_scale_forward_check(const ReluScaleForward& a);

@@ -2,9 +2,9 @@
 // with an optional zero-centred gain (y = x * rstd * (1 + weight), as Gemma), on the row
 // normalization kernels of norm.h (math, dtypes and determinism stated there).
 //
-// Checked here for every binding: input's trailing dims equal normalized_shape (non-empty,
-// positive sizes); weight of shape normalized_shape in input's dtype, or float32 for
-// float16/bfloat16 input; eps finite and >= 0 (bindings resolve torch's eps=None). Errors: Error
+// Checked here for every binding: x's trailing dims equal normalized_shape (non-empty,
+// positive sizes); weight of shape normalized_shape in x's dtype, or float32 for
+// float16/bfloat16 x; eps finite and >= 0 (bindings resolve torch's eps=None). Errors: Error
 // of kind kType for dtypes, kValue otherwise. Tensors are contiguous; bindings allocate outputs.
 #pragma once
 
@@ -13,24 +13,24 @@
 namespace fusedlayers {
 
 struct RmsNormForward {
-  TensorRef input;  // (..., *normalized_shape)
+  TensorRef x;  // (..., *normalized_shape)
   Sizes normalized_shape;
   TensorRef weight;  // normalized_shape, or not defined
   double eps = 0;
   bool zero_centered = false;  // gain 1 + weight
-  // Outputs: out like input; rstd of input's leading dims in norm_stat_dtype(input.dtype).
-  void* out = nullptr;
+  // Outputs: y like x; rstd of x's leading dims in norm_stat_dtype(x.dtype).
+  void* y = nullptr;
   void* rstd = nullptr;
 };
 
 struct RmsNormBackward {
-  TensorRef grad_out, input, rstd;
+  TensorRef dy, x, rstd;
   Sizes normalized_shape;
   TensorRef weight;
   bool zero_centered = false;
-  // Outputs: grad_input like input; grad_weight like weight where defined.
-  void* grad_input = nullptr;
-  void* grad_weight = nullptr;
+  // Outputs: dx like x; dweight like weight where defined.
+  void* dx = nullptr;
+  void* dweight = nullptr;
   void* workspace = nullptr;  // rms_norm_backward_workspace_size() bytes
 };
 

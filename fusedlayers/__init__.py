@@ -1,47 +1,55 @@
-"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm and RMSNorm for PyTorch and TensorFlow,
-forward and backward, from one set of C++ kernels (csrc/).
+"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm and RMSNorm for PyTorch, TensorFlow and
+JAX, forward and backward, from one set of C++ kernels (csrc/).
 
 The functions here pick the framework from the type of their first argument, so the same call
 works on any supported tensor. Importing fusedlayers imports no framework: the backend of a
 framework is loaded the first time one of its tensors is seen.
 """
 
+import importlib
 import sys
 from collections.abc import Sequence
 
-from ._sources import NotBuiltError
+from . import ops
+from .errors import NotBuiltError
 
 __version__ = "0.1.0"
-# The public ops, each a function below and in every framework backend (fusedlayers.torch,
-# fusedlayers.tensorflow) under the same name.
-OPS = ("relu_scale", "linear_gelu", "layer_norm", "rms_norm")
+# The public ops (the table: fusedlayers.ops), each a function below and in every framework
+# backend (fusedlayers.torch, fusedlayers.tensorflow, fusedlayers.jax) under the same name.
+OPS = ops.NAMES
 __all__ = [*OPS, "NotBuiltError"]
 
 
 def _backend(x, op: str, **others):
-    """The framework backend (fusedlayers.torch or fusedlayers.tensorflow) for x. Raises
-    TypeError for other types of x, and when one of `others` (the op's other tensors, None where absent) is a tensor of another
-    framework: a torch op takes torch tensors only; a TensorFlow op takes anything
-    tf.convert_to_tensor does (NumPy arrays, lists), but not a torch tensor."""
+    """The framework backend (fusedlayers.torch, fusedlayers.tensorflow or fusedlayers.jax) for
+    x. Raises TypeError for other types of x, and when one of `others` (the op's other tensors,
+    None where absent) is a tensor of another framework: a torch op takes torch tensors only;
+    a TensorFlow or JAX op takes what its framework converts (NumPy arrays, lists), but not
+    another framework's tensor."""
     # x cannot be a tensor of a framework that is not imported yet.
     torch = sys.modules.get("torch")
     tf = sys.modules.get("tensorflow")
-    if torch is not None and isinstance(x, torch.Tensor):
-        for name, t in others.items():
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"fusedlayers.{op}: x is a torch.Tensor, so {name} must be one "
+    jax = sys.modules.get("jax")
+    frameworks = {"a torch.Tensor": torch and (torch.Tensor,),
+                  "a TensorFlow tensor": tf and (tf.Tensor, tf.Variable),
+                  "a jax.Array": jax and (jax.Array,)}
+    for (name, types), module in zip(frameworks.items(), ("torch", "tensorflow", "jax")):
+        if not types or not isinstance(x, types):
+            continue
+        for arg, t in others.items():
+            if t is None:
+                continue
+            if module == "torch" and not isinstance(t, types):
+                raise TypeError(f"fusedlayers.{op}: x is a torch.Tensor, so {arg} must be one "
                                 f"too, got {_type_name(t)}")
-        from . import torch as backend
-        return backend
-    if tf is not None and isinstance(x, (tf.Tensor, tf.Variable)):
-        for name, t in others.items():
-            if torch is not None and isinstance(t, torch.Tensor):
-                raise TypeError(f"fusedlayers.{op}: x is a TensorFlow tensor, so {name} must "
-                                f"not be a torch.Tensor")
-        from . import tensorflow as backend
-        return backend
-    raise TypeError(f"fusedlayers.{op}: x must be a torch.Tensor, tf.Tensor or tf.Variable, "
-                    f"got {_type_name(x)}")
+            other = next((n for n, ts in frameworks.items() if n != name and ts
+                          and isinstance(t, ts)), None)
+            if other is not None:
+                raise TypeError(f"fusedlayers.{op}: x is {name}, so {arg} must not be "
+                                f"{other}")
+        return importlib.import_module(f"fusedlayers.{module}")
+    raise TypeError(f"fusedlayers.{op}: x must be a torch.Tensor, tf.Tensor, tf.Variable or "
+                    f"jax.Array, got {_type_name(x)}")
 
 
 def _type_name(value) -> str:

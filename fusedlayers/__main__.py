@@ -1,5 +1,5 @@
-"""`python -m fusedlayers info` reports which backends (torch extension, TensorFlow op library)
-are built and usable, for which devices, and why not; `python -m fusedlayers bench` times fused
+"""`python -m fusedlayers info` reports which backends (torch extension, TensorFlow op library,
+JAX library) are built and usable, for which devices, and why not; `python -m fusedlayers bench` times fused
 against unfused ops (fusedlayers.bench)."""
 
 import argparse
@@ -7,6 +7,8 @@ import importlib.util
 import os
 import platform
 import sys
+
+from fusedlayers.ops import NAMES as OPS
 
 
 def _torch_info() -> bool:
@@ -44,20 +46,39 @@ def _tensorflow_info() -> bool:
     return True
 
 
+def _jax_info() -> bool:
+    if importlib.util.find_spec("jax") is None:
+        print("jax: not installed")
+        return True
+    import jax
+    from fusedlayers.jax import _op
+    print(f"jax {jax.__version__} (devices: {', '.join(d.platform for d in jax.devices())})")
+    if _op.LOAD_ERROR is not None:
+        print(f"  library: not usable: {_op.LOAD_ERROR}")
+        return False
+    cuda = hasattr(_op.lib, "fusedlayers_xla_layer_norm_forward_cuda")
+    print(f"  library: loaded; XLA custom-call handlers for CPU{', CUDA' if cuda else ''}")
+    return True
+
+
 def info() -> int:
     import fusedlayers
     print(f"fusedlayers {fusedlayers.__version__}, Python {platform.python_version()}")
     ok = _torch_info()
     ok = _tensorflow_info() and ok
+    ok = _jax_info() and ok
     return 0 if ok else 1
 
 
 def bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedlayers bench")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                        help="torch (with TensorFlow's rows on the CPU) or jax (fusedlayers.jax "
+                             "against XLA's own ops, on JAX's default device)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--ops", default="relu_scale,layer_norm,rms_norm,linear_gelu",
-                        help="comma-separated ops to bench")
+    parser.add_argument("--ops", default=",".join(OPS),
+                        help="comma-separated ops to bench (default: all)")
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--peers", action="store_true",
@@ -84,7 +105,7 @@ def bench(argv: list[str]) -> int:
                             "process (NCCL; gloo on the CPU); --batch is per process")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
-        "for a 12-block MLP stack and the --model models (fusedlayers.memory_bench)")
+        "for a 12-block MLP stack and the --model models (fusedlayers.bench.memory)")
     memory.add_argument("--memory", action="store_true")
     memory.add_argument("--memory-models", default="mlp,bert-base,vit-base,gpt2",
                         help="comma-separated, of mlp and the --model names")
@@ -102,22 +123,30 @@ def bench(argv: list[str]) -> int:
             parser.error("--distributed: launch with torchrun, e.g. `torchrun --nproc-per-node 2 "
                          "-m fusedlayers bench --model bert-base --distributed`")
         return _bench_model(args, device, name)
-    from fusedlayers import bench as b
-    rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
-                           not args.no_compile, args.reps, tuple(args.ops.split(",")),
-                           args.peers, not args.no_tensorflow)
-    print(b.format_table(rows, ceilings, name))
+    from fusedlayers.bench import table
+    if args.framework == "jax":
+        import jax
+        from fusedlayers.bench import jax_ops
+        name = f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"
+        rows, ceilings = jax_ops.run(tuple(args.dtypes.split(",")), args.quick, args.reps,
+                                     tuple(args.ops.split(",")))
+    else:
+        from fusedlayers.bench import ops as b
+        rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
+                               not args.no_compile, args.reps, tuple(args.ops.split(",")),
+                               args.peers, not args.no_tensorflow)
+    print(table.format_table(rows, ceilings, name))
     if args.json:
-        b.write_json(args.json, rows, ceilings, name)
+        table.write_json(args.json, rows, ceilings, name)
     if args.plot:
-        b.plot(args.plot, rows, name)
+        table.plot(args.plot, rows, name)
     return 0
 
 
 def _bench_model(args, device: str, name: str) -> int:
     import torch
     import torch.distributed as dist
-    from fusedlayers import model_bench as mb
+    from fusedlayers.bench import models as mb
     first = True
     if args.distributed:
         if device.startswith("cuda"):
@@ -142,7 +171,7 @@ def _bench_model(args, device: str, name: str) -> int:
 
 
 def _bench_memory(args, device: str, name: str) -> int:
-    from fusedlayers import memory_bench as mem
+    from fusedlayers.bench import memory as mem
     print(f"device: {name}\n{mem.HEADER}")
     rows = mem.run(device, tuple(args.memory_models.split(",")),
                    log=lambda line: print(line, flush=True))

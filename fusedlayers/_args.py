@@ -1,7 +1,9 @@
-"""Checks of the Python arguments (scalars, shapes) shared by the torch and TensorFlow front ends.
-The operators check tensors themselves; these run before a value is converted, so that a string
-or a float shape is a TypeError naming the argument instead of a conversion error or, worse, a
-silently parsed value (float("2") is 2.0)."""
+"""Checks of the Python arguments (scalars, shapes) shared by the framework front ends. The
+operators check tensors themselves; these run before a value is converted, so that a string or a
+float shape is a TypeError naming the argument instead of a conversion error or, worse, a
+silently parsed value (float("2") is 2.0). One exception: linear_gelu's tensors where the
+framework's own matmul runs before our epilogue op (TensorFlow, JAX), checked here in csrc's
+words (csrc/linear_gelu_op.cpp) before the matmul reports them in its own."""
 
 
 def real(op: str, name: str, value) -> float:
@@ -29,3 +31,26 @@ def normalized_shape(op: str, value) -> tuple:
         raise TypeError(f"{op}: normalized_shape must be an int or a sequence of ints, got "
                         f"{type(value).__name__} {value!r}")
     return shape
+
+
+def linear(op: str, x_shape, x_dtype, w_shape, w_dtype, b_shape, b_dtype, approximate: str,
+           transpose: bool) -> tuple[int, int]:
+    """(in_features, out_features) of linear_gelu's x and weight ((out, in) when `transpose`,
+    else a Dense kernel (in, out)) and bias (None where absent); ValueError, or TypeError for a
+    dtype, as csrc words it. A size of None (unknown while tracing) passes."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    if len(w_shape) != 2:
+        raise ValueError(f"{op}: weight must be 2-D (out_features, in_features), got shape "
+                         f"{list(w_shape)}")
+    in_features, out_features = (w_shape[1], w_shape[0]) if transpose else tuple(w_shape)
+    if len(x_shape) < 1 or x_shape[-1] not in (None, in_features):
+        raise ValueError(f"{op}: the last dimension of x must equal in_features = {in_features}, "
+                         f"got x of shape {list(x_shape)}")
+    for name, dtype in (("weight", w_dtype), ("bias", b_dtype)):
+        if dtype is not None and dtype != x_dtype:
+            raise TypeError(f"{op}: {name} must have x's dtype {x_dtype}, got {dtype}")
+    if b_shape is not None and tuple(b_shape) != (out_features,):
+        raise ValueError(f"{op}: bias must have shape (out_features,) = ({out_features},), got "
+                         f"{list(b_shape)}")
+    return in_features, out_features

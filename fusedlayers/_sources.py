@@ -1,20 +1,20 @@
 """Where the compiled parts come from: the source files and flags of the PyTorch extension and
 of the TensorFlow op library, shared by setup.py and the just-in-time builds so the two can never
-disagree; the command that builds them and the error raised when one is missing. Imports no
-framework."""
+disagree, and the command that builds them. Imports no framework."""
 
+import concurrent.futures
+import hashlib
 import os
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
+
+from .errors import NotBuiltError
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_COMMAND = "pip install --no-build-isolation -e ."
 
-
-class NotBuiltError(RuntimeError):
-    """A fusedlayers library (the PyTorch extension or the TensorFlow op library) is missing,
-    fails to build (FUSEDLAYERS_JIT=1) or does not load; the message says which and how to build
-    it."""
 
 # -fvisibility=hidden keeps csrc's symbols private to each library that compiles it in.
 # -fno-trapping-math / -fno-math-errno change no result (no FP traps are enabled and errno is
@@ -36,9 +36,10 @@ CUDA_DEFINE = "-DFUSEDLAYERS_WITH_CUDA"
 CUDA_LIBRARIES = ["cublasLt"]
 # Ampere and Hopper, when TORCH_CUDA_ARCH_LIST is unset (a GPU-less host cannot detect one).
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
-# Kernels that call cuBLASLt: only the torch extension has them (TF's linear_gelu runs TF's matmul
-# and csrc's bias+GELU epilogue), so the TF op library needs no cuBLAS.
-CUBLASLT_SOURCES = {"linear_gelu_cuda.cu"}
+# The whole linear_gelu op (its passes call the framework's GEMMs on the CPU and cuBLASLt on
+# CUDA): only the torch extension has it. TF's linear_gelu runs TF's matmul around csrc's epilogue
+# op, so the TF op library needs no cuBLAS.
+GEMM_SOURCES = {"linear_gelu_op.cpp", "linear_gelu_cuda.cu"}
 
 
 def torch_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
@@ -95,7 +96,76 @@ def gencode_flags(arch_list: str) -> list[str]:
     return flags
 
 
+def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False) -> list[Path]:
+    """The csrc kernels but the whole linear_gelu op (GEMM_SOURCES), and the binding folder
+    backends/<binding>: what the TF op library and the JAX library compile."""
+    suffix = {"tensorflow": "*.cc", "xla": "*.cc"}[binding]
+    cu = [*root.glob("csrc/*.cu")] if cuda else []
+    return sorted(p for p in [*root.glob("csrc/*.cpp"), *root.glob(f"backends/{binding}/{suffix}"),
+                              *cu] if p.name not in GEMM_SOURCES)
+
+
 def tensorflow_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
     """The same csrc kernels and the TensorFlow binding, compiled into the TF op library."""
-    cu = [p for p in root.glob("csrc/*.cu") if p.name not in CUBLASLT_SOURCES] if cuda else []
-    return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/tensorflow/*.cc"), *cu])
+    return binding_sources("tensorflow", root, cuda)
+
+
+def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],
+                  cuda: bool, verbose: bool = False) -> None:
+    """Compiles `sources` in parallel (g++, or nvcc for .cu) and links the shared library
+    `output`. With `cuda`, the CUDA kernels and the toolkit's runtime, linked statically with
+    its symbols kept private (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of
+    its CUDA version, cannot bind ours. Raises NotBuiltError with the failing command."""
+    if not sources:
+        raise NotBuiltError(f"fusedlayers: no sources to build {output.name} under {ROOT}")
+    cflags = ["-O3", "-fPIC", *CXX_FLAGS, f"-I{ROOT}", *cflags]
+    if cuda:
+        cuda_home = find_cuda_home()
+        if cuda_home is None:
+            raise NotBuiltError("fusedlayers: CUDA requested but no toolkit found; set CUDA_HOME")
+        cflags.append(CUDA_DEFINE)
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        nvcc = [f"{cuda_home}/bin/nvcc", *NVCC_FLAGS, f"-I{ROOT}", CUDA_DEFINE,
+                *gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+        libdir = next((d for d in (Path(cuda_home) / "lib64",
+                                   Path(cuda_home) / "targets/x86_64-linux/lib")
+                       if (d / "libcudart_static.a").exists()), Path(cuda_home) / "lib64")
+        ldflags = [*ldflags, f"-L{libdir}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread",
+                   "-Wl,--exclude-libs,ALL"]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = [Path(tmp) / f"{i}_{src.stem}.o" for i, src in enumerate(sources)]
+
+        def run(cmd):
+            if verbose:
+                print(" ".join(cmd))
+            done = subprocess.run(cmd, capture_output=not verbose, text=True)
+            if done.returncode != 0:  # framework headers warn a lot: output only on failure
+                raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n{done.stderr or ''}")
+
+        def compile_one(pair):
+            src, obj = pair
+            compiler = nvcc if src.suffix == ".cu" else ["g++", *cflags]
+            run([*compiler, "-c", str(src), "-o", str(obj)])
+
+        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(compile_one, zip(sources, objects)))
+        run(["g++", "-shared", "-o", str(output), *map(str, objects), *ldflags])
+
+
+def jit_library(name: str, key: str, sources: list[Path], build) -> Path:
+    """The library `name` for FUSEDLAYERS_JIT=1: cached under ~/.cache/fusedlayers (or
+    $FUSEDLAYERS_CACHE) by the hash of `key` and of every source and header; build(path) makes
+    it when missing."""
+    digest = hashlib.sha256(key.encode())
+    for src in sorted(sources + [*ROOT.glob("csrc/*.h"), *ROOT.glob("csrc/*.cuh"),
+                                 *ROOT.glob("backends/*/*.h")]):
+        digest.update(src.read_bytes())
+    cache = Path(os.environ.get("FUSEDLAYERS_CACHE", Path.home() / ".cache" / "fusedlayers"))
+    path = cache / f"{name}_{digest.hexdigest()[:16]}.so"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        build(tmp)
+        tmp.replace(path)  # atomic: a concurrent process sees a whole library or none
+    return path

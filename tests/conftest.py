@@ -16,7 +16,7 @@ import torch
 
 
 def pytest_sessionstart(session):
-    for name in ("tensorflow", "keras"):
+    for name in ("tensorflow", "keras", "jax"):
         if importlib.util.find_spec(name) is None:
             continue
         try:

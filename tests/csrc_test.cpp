@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "csrc/bias_gelu.h"
+#include "csrc/linear_gelu_epilogue.h"
 #include "csrc/cpu_types.h"
 #include "csrc/layer_norm.h"
 #include "csrc/linear_gelu.h"
@@ -120,7 +120,7 @@ void norm_test(std::mt19937_64& rng, bool rms) {
     rms_norm_forward(f, rc, threads_exec(2));
   } else {
     LayerNormForward f{ref(x, shape), ns, ref(w, nshape), ref(bias, nshape), eps, false};
-    f.out = y.data();
+    f.y = y.data();
     f.mean = mean.data();
     f.rstd = rstd.data();
     rc = layer_norm_forward_check(f);
@@ -160,8 +160,8 @@ void norm_test(std::mt19937_64& rng, bool rms) {
     std::vector<char> ws;
     if (rms) {
       RmsNormBackward b{ref(dy, shape), ref(x, shape), ref(rstd, sshape), ns, ref(w, nshape)};
-      b.grad_input = dx.data();
-      b.grad_weight = dw.data();
+      b.dx = dx.data();
+      b.dweight = dw.data();
       rms_norm_backward_check(b);
       bytes = rms_norm_backward_workspace_size(b, rc, exec);
       ws.resize(bytes);
@@ -170,9 +170,9 @@ void norm_test(std::mt19937_64& rng, bool rms) {
     } else {
       LayerNormBackward b{ref(dy, shape), ref(x, shape), ref(mean, sshape), ref(rstd, sshape),
                           ns, ref(w, nshape), ref(bias, nshape)};
-      b.grad_input = dx.data();
-      b.grad_weight = dw.data();
-      b.grad_bias = db.data();
+      b.dx = dx.data();
+      b.dweight = dw.data();
+      b.dbias = db.data();
       layer_norm_backward_check(b);
       bytes = layer_norm_backward_workspace_size(b, rc, exec);
       ws.resize(bytes);
@@ -189,7 +189,7 @@ void norm_test(std::mt19937_64& rng, bool rms) {
   }
   const std::vector<int64_t> wrong{cols + 1};
   expect_error([&] { layer_norm_forward_check({ref(x, shape), {wrong.data(), 1}}); },
-               "must equal normalized_shape [1001], got input of shape [37, 1000]",
+               "must equal normalized_shape [1001], got x of shape [37, 1000]",
                name + " wrong normalized_shape");
 }
 
@@ -221,7 +221,7 @@ uint64_t half_layer_norm_test(std::mt19937_64& rng) {
     };
     const Sizes ns{nshape.data(), 1};
     LayerNormForward f{half_ref(x, shape), ns, ref(w, nshape), ref(bias, nshape), 1e-5, false};
-    f.out = y.data();
+    f.y = y.data();
     f.mean = mean.data();
     f.rstd = rstd.data();
     const RowsCols rc = layer_norm_forward_check(f);
@@ -250,9 +250,9 @@ uint64_t half_layer_norm_test(std::mt19937_64& rng) {
       const Exec exec = threads_exec(threads);
       LayerNormBackward b{half_ref(dy, shape), half_ref(x, shape), ref(mean, sshape),
                           ref(rstd, sshape), ns, ref(w, nshape), ref(bias, nshape)};
-      b.grad_input = dx.data();
-      b.grad_weight = dw.data();
-      b.grad_bias = db.data();
+      b.dx = dx.data();
+      b.dweight = dw.data();
+      b.dbias = db.data();
       layer_norm_backward_check(b);
       std::vector<char> ws(layer_norm_backward_workspace_size(b, rc, exec));
       b.workspace = ws.data();
@@ -283,16 +283,16 @@ double gelu_grad_ref(double u) {
   return 0.5 * (1 + std::erf(u / std::sqrt(2.0))) + u * std::exp(-0.5 * u * u) / std::sqrt(2 * M_PI);
 }
 
-void bias_gelu_test(std::mt19937_64& rng) {
+void linear_gelu_epilogue_test(std::mt19937_64& rng) {
   const int64_t rows = 33, cols = 65;
   const std::vector<int64_t> shape{rows, cols}, bshape{cols};
   std::vector<float> h = randn(rng, rows * cols), bias = randn(rng, cols), dy = randn(rng, rows * cols);
   for (auto& v : h) v *= 4;  // reach both tails
   std::vector<float> pre(rows * cols), y(rows * cols), dpre(rows * cols), dbias(cols);
   const Exec exec = threads_exec(2);
-  BiasGeluForward f{ref(h, shape), ref(bias, bshape), GeluApprox::kNone, pre.data(), y.data()};
-  const RowsCols rc = bias_gelu_forward_check("linear_gelu", f);
-  bias_gelu_forward(f, rc, exec);
+  LinearGeluEpilogueForward f{ref(h, shape), ref(bias, bshape), GeluApprox::kNone, pre.data(), y.data()};
+  const RowsCols rc = linear_gelu_epilogue_forward_check("linear_gelu", f);
+  linear_gelu_epilogue_forward(f, rc, exec);
   std::vector<double> y_ref(rows * cols), dpre_ref(rows * cols), db_ref(cols, 0);
   for (int64_t i = 0; i < rows * cols; ++i) {
     const double u = pre[i];  // the rounded pre-activation, as the unfused layer
@@ -300,21 +300,83 @@ void bias_gelu_test(std::mt19937_64& rng) {
     dpre_ref[i] = dy[i] * gelu_grad_ref(u);
     db_ref[i % cols] += dpre_ref[i];
   }
-  expect_close(y, y_ref, 1e-6, 2e-6, "bias_gelu forward (erf)");
-  BiasGeluBackward b{ref(dy, shape), ref(pre, shape), true, GeluApprox::kNone, dpre.data(),
+  expect_close(y, y_ref, 1e-6, 2e-6, "linear_gelu_epilogue forward (erf)");
+  LinearGeluEpilogueBackward b{ref(dy, shape), ref(pre, shape), true, GeluApprox::kNone, dpre.data(),
                      dbias.data()};
-  bias_gelu_backward_check("linear_gelu_backward", b);
-  std::vector<char> ws(bias_gelu_backward_workspace_size(b, rc, exec));
+  linear_gelu_epilogue_backward_check("linear_gelu_backward", b);
+  std::vector<char> ws(linear_gelu_epilogue_backward_workspace_size(b, rc, exec));
   b.workspace = ws.data();
-  bias_gelu_backward(b, rc, exec);
-  expect_close(dpre, dpre_ref, 1e-6, 2e-6, "bias_gelu dpre");
-  expect_close(dbias, db_ref, 1e-5, 1e-5, "bias_gelu dbias");
+  linear_gelu_epilogue_backward(b, rc, exec);
+  expect_close(dpre, dpre_ref, 1e-6, 2e-6, "linear_gelu_epilogue dpre");
+  expect_close(dbias, db_ref, 1e-5, 1e-5, "linear_gelu_epilogue dbias");
   expect_error([] { parse_gelu_approx("linear_gelu", "erf"); },
                "approximate must be 'none' or 'tanh', got 'erf'", "bad approximate");
   const std::vector<int64_t> w1{cols};
   expect_error([&] { linear_gelu_forward_check({ref(h, shape), ref(bias, w1)}); },
                "weight must be 2-D (out_features, in_features), got shape [65]",
                "linear_gelu 1-D weight");
+}
+
+// The whole linear_gelu op on the CPU, its GEMMs a plain loop in double (the callback a binding
+// hands in), against float64 sums: forward, dx, dweight (in the weight's layout) and dbias, for
+// both weight layouts.
+void linear_gelu_test(std::mt19937_64& rng) {
+  const int64_t m = 9, k = 13, n = 7;
+  const CpuGemm gemm = [](const Matrix& a, const Matrix& b, void* c, DType) {
+    const auto at = [](const Matrix& mat, int64_t i, int64_t j) {
+      const float* p = static_cast<const float*>(mat.data);
+      return double(mat.transposed ? p[j * mat.rows + i] : p[i * mat.cols + j]);
+    };
+    for (int64_t i = 0; i < a.rows; ++i)
+      for (int64_t j = 0; j < b.cols; ++j) {
+        double sum = 0;
+        for (int64_t l = 0; l < a.cols; ++l) sum += at(a, i, l) * at(b, l, j);
+        static_cast<float*>(c)[i * b.cols + j] = float(sum);
+      }
+  };
+  std::vector<float> x = randn(rng, m * k), w = randn(rng, n * k), bias = randn(rng, n),
+                     dy = randn(rng, m * n);
+  for (const WeightLayout layout : {WeightLayout::kOutIn, WeightLayout::kInOut}) {
+    const bool in_out = layout == WeightLayout::kInOut;
+    std::vector<float> stored(n * k);  // W (n x k) as stored
+    for (int64_t o = 0; o < n; ++o)
+      for (int64_t i = 0; i < k; ++i) stored[in_out ? i * n + o : o * k + i] = w[o * k + i];
+    const std::vector<int64_t> xs{m, k}, ws{n, k}, bs{n}, ys{m, n};
+    std::vector<float> y(m * n), pre(m * n), dx(m * k), dw(n * k), db(n);
+    const Exec exec = threads_exec(2);
+    LinearGeluForward f{ref(x, xs), ref(stored, ws), layout, ref(bias, bs), GeluApprox::kNone,
+                        pre.data(), y.data()};
+    const GemmSizes s = linear_gelu_forward_check(f);
+    linear_gelu_forward(f, s, exec, {gemm, {}});
+    std::vector<double> y_ref(m * n), dpre(m * n), dx_ref(m * k, 0), dw_ref(n * k, 0),
+        db_ref(n, 0);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t o = 0; o < n; ++o) {
+        double u = 0;
+        for (int64_t i = 0; i < k; ++i) u += double(x[r * k + i]) * w[o * k + i];
+        u = double(float(float(u) + bias[o]));  // the GEMM's float output, then the bias
+        y_ref[r * n + o] = gelu_ref(u);
+        dpre[r * n + o] = dy[r * n + o] * gelu_grad_ref(u);
+        db_ref[o] += dpre[r * n + o];
+      }
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t o = 0; o < n; ++o)
+        for (int64_t i = 0; i < k; ++i) {
+          dx_ref[r * k + i] += dpre[r * n + o] * w[o * k + i];
+          dw_ref[in_out ? i * n + o : o * k + i] += dpre[r * n + o] * x[r * k + i];
+        }
+    const std::string name = in_out ? "linear_gelu (in, out) weight" : "linear_gelu";
+    expect_close(y, y_ref, 1e-5, 1e-5, name + " forward");
+    LinearGeluBackward b{ref(dy, ys), ref(x, xs), ref(stored, ws), ref(pre, ys), layout, true,
+                         GeluApprox::kNone, dx.data(), dw.data(), db.data()};
+    linear_gelu_backward_check(b);
+    std::vector<char> workspace(linear_gelu_backward_workspace_size(b, s, exec));
+    b.workspace = workspace.data();
+    linear_gelu_backward(b, s, exec, {gemm, {}});
+    expect_close(dx, dx_ref, 1e-5, 1e-5, name + " dx");
+    expect_close(dw, dw_ref, 1e-5, 1e-5, name + " dweight");
+    expect_close(db, db_ref, 1e-5, 1e-5, name + " dbias");
+  }
 }
 
 // float16 <-> float32 as the kernels convert rows (the CPU's conversion instructions where it has
@@ -382,7 +444,8 @@ int main(int argc, char** argv) {
   relu_scale_test(rng);
   norm_test(rng, false);
   norm_test(rng, true);
-  bias_gelu_test(rng);
+  linear_gelu_epilogue_test(rng);
+  linear_gelu_test(rng);
   half_conversion_test();
   const uint64_t half_digest = half_layer_norm_test(rng);
 #ifndef FUSEDLAYERS_WITH_CUDA

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from fusedlayers import reference
+from fusedlayers.torch import reference
 
 
 @dataclass(frozen=True)
@@ -244,12 +243,12 @@ LAYER_NORM = OpInfo(
           for arg in ("weight", "bias")),
         *(ErrorInput(f"{arg}-dtype", {"x": ((3, 7), "float32"), arg: ((7,), "float64")},
                      {"normalized_shape": 7}, True,
-                     rf"layer_norm: {arg} must have input's dtype float32, got float64")
+                     rf"layer_norm: {arg} must have x's dtype float32, got float64")
           for arg in ("weight", "bias")),
         ErrorInput("half-x-float64-weight", {"x": ((3, 7), "bfloat16"),
                                              "weight": ((7,), "float64")},
                    {"normalized_shape": 7}, True,
-                   r"layer_norm: weight must have input's dtype bfloat16 or float32, got float64"),
+                   r"layer_norm: weight must have x's dtype bfloat16 or float32, got float64"),
         *(ErrorInput(f"eps-{e}", {"x": ((3, 7), "float32")}, {"normalized_shape": 7, "eps": e},
                      False, r"layer_norm: eps must be finite and >= 0")
           for e in (math.nan, math.inf, -1e-5)),
@@ -257,11 +256,6 @@ LAYER_NORM = OpInfo(
                    r"layer_norm: (x|input) must be float32, float64, float16 or bfloat16, "
                    r"got (int64|Long)"),
     ))
-
-
-def _rms_norm_reference(x, normalized_shape, weight=None, eps=None, zero_centered=False):
-    return F.rms_norm(x, normalized_shape, None if weight is None else
-                      weight + 1 if zero_centered else weight, eps)
 
 
 def _rms_norm_scales(t, dy, kw):
@@ -286,7 +280,7 @@ RMS_NORM = OpInfo(
                                  ("zero-centered-f32", {"eps": _f32(1e-5),
                                                         "zero_centered": True}, 1),
                                  ("eps-none", {"eps": None, "zero_centered": False}, 0)]),
-    _norm_draw, _rms_norm_reference, grad_scales=_rms_norm_scales,
+    _norm_draw, reference.rms_norm, grad_scales=_rms_norm_scales,
     reference_kwargs=lambda kw, dtype: {**kw, "eps": torch.finfo(dtype).eps
                                         if kw["eps"] is None else kw["eps"]},
     errors=(
@@ -298,11 +292,11 @@ RMS_NORM = OpInfo(
                    r"rms_norm: weight must have shape normalized_shape \[7\], got \[6\]"),
         ErrorInput("weight-dtype", {"x": ((3, 7), "float32"), "weight": ((7,), "float64")},
                    {"normalized_shape": 7}, True,
-                   r"rms_norm: weight must have input's dtype float32, got float64"),
+                   r"rms_norm: weight must have x's dtype float32, got float64"),
         ErrorInput("half-x-float64-weight", {"x": ((3, 7), "bfloat16"),
                                              "weight": ((7,), "float64")},
                    {"normalized_shape": 7}, True,
-                   r"rms_norm: weight must have input's dtype bfloat16 or float32, got float64"),
+                   r"rms_norm: weight must have x's dtype bfloat16 or float32, got float64"),
         *(ErrorInput(f"eps-{e}", {"x": ((3, 7), "float32")}, {"normalized_shape": 7, "eps": e},
                      False, r"rms_norm: eps must be finite and >= 0")
           for e in (math.nan, -math.inf, -1.0)),

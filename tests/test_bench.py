@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusedlayers import __main__ as main
-from fusedlayers import bench, memory_bench as mem, model_bench
+from fusedlayers.bench import memory as mem, models as model_bench, ops as bench
 
 
 def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
@@ -140,3 +140,14 @@ def test_cli_memory_bench_writes_json(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == list(mem.VARIANTS)
     assert rows[1]["saved_mb"] < rows[0]["saved_mb"] and rows[2]["saved_mb"] < rows[1]["saved_mb"]
+
+
+def test_jax_rows_time_fused_against_xla():
+    pytest.importorskip("jax")
+    from fusedlayers.bench import jax_ops
+    rows, ceilings = jax_ops.run(("float32",), quick=True, reps=1, op_names=("rms_norm",),
+                                 iters=1)
+    assert {(r.pass_, r.impl) for r in rows} == {("fwd", "jax-fused"), ("fwd", "jax-xla"),
+                                                 ("fwd", "jax-copy"), ("fwd+bwd", "jax-fused"),
+                                                 ("fwd+bwd", "jax-xla")}
+    assert all(r.ms > 0 and r.unit == "GB/s" for r in rows) and ceilings["copy_gbs"] > 0

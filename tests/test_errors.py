@@ -24,11 +24,11 @@ def x37(requires_grad=False):
 
 @pytest.mark.parametrize("requires_grad", (False, True))
 @pytest.mark.parametrize("normalized_shape,match", [
-    (8, r"layer_norm: the last 1 dimension\(s\) of input must equal normalized_shape \[8\], "
-        r"got input of shape \[3, 7\]"),
-    ((3, 8), r"last 2 dimension\(s\) of input must equal normalized_shape \[3, 8\], "
-             r"got input of shape \[3, 7\]"),
-    ((2, 3, 7), r"normalized_shape \[2, 3, 7\], got input of shape \[3, 7\]"),
+    (8, r"layer_norm: the last 1 dimension\(s\) of x must equal normalized_shape \[8\], "
+        r"got x of shape \[3, 7\]"),
+    ((3, 8), r"last 2 dimension\(s\) of x must equal normalized_shape \[3, 8\], "
+             r"got x of shape \[3, 7\]"),
+    ((2, 3, 7), r"normalized_shape \[2, 3, 7\], got x of shape \[3, 7\]"),
     ([], r"normalized_shape must not be empty"),
 ])
 def test_layer_norm_wrong_trailing_shape(normalized_shape, match, requires_grad):
@@ -42,19 +42,19 @@ C10_NAME = {torch.int64: "Long", torch.int32: "Int", torch.bool: "Bool", torch.i
 
 @pytest.mark.parametrize("dtype", (torch.int64, torch.int32, torch.bool, torch.complex64))
 def test_layer_norm_non_float_input(dtype):
-    with pytest.raises(TypeError, match=r"layer_norm: input must be float32, float64, float16 or "
+    with pytest.raises(TypeError, match=r"layer_norm: x must be float32, float64, float16 or "
                                         rf"bfloat16, got {C10_NAME[dtype]}"):
         fusedlayers.layer_norm(torch.ones(3, 7, dtype=dtype), 7)
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,b_dtype,match", [
-    (torch.float32, torch.float64, None, r"weight must have input's dtype float32, got float64"),
-    (torch.float32, None, torch.float16, r"bias must have input's dtype float32, got float16"),
+    (torch.float32, torch.float64, None, r"weight must have x's dtype float32, got float64"),
+    (torch.float32, None, torch.float16, r"bias must have x's dtype float32, got float16"),
     (torch.float32, torch.int32, None,
      r"weight must be float32, float64, float16 or bfloat16, got Int"),
-    (torch.float64, torch.float32, None, r"weight must have input's dtype float64, got float32"),
+    (torch.float64, torch.float32, None, r"weight must have x's dtype float64, got float32"),
     (torch.bfloat16, torch.float16, None,
-     r"weight must have input's dtype bfloat16 or float32, got float16"),
+     r"weight must have x's dtype bfloat16 or float32, got float16"),
     (torch.bfloat16, torch.float32, torch.bfloat16,
      r"weight and bias must share a dtype, got float32 and bfloat16"),
 ])
@@ -70,8 +70,8 @@ def test_layer_norm_param_dtype(x_dtype, w_dtype, b_dtype, match):
 @pytest.mark.parametrize("requires_grad", (False, True))
 def test_linear_gelu_wrong_last_dimension(requires_grad):
     w = torch.randn(5, 8, requires_grad=requires_grad)
-    with pytest.raises(ValueError, match=r"linear_gelu: the last dimension of input must equal "
-                                         r"in_features = weight.shape\[1\] = 8, got input of "
+    with pytest.raises(ValueError, match=r"linear_gelu: the last dimension of x must equal "
+                                         r"in_features = weight.shape\[1\] = 8, got x of "
                                          r"shape \[3, 7\]"):
         fusedlayers.linear_gelu(x37(requires_grad), w)
     with pytest.raises(ValueError, match=r"in_features = weight.shape\[1\] = 8"):
@@ -80,16 +80,16 @@ def test_linear_gelu_wrong_last_dimension(requires_grad):
 
 @pytest.mark.parametrize("dtype", (torch.int64, torch.int8, torch.bool))
 def test_linear_gelu_non_float_input(dtype):
-    with pytest.raises(TypeError, match=r"linear_gelu: input must be float32, float64, float16 "
+    with pytest.raises(TypeError, match=r"linear_gelu: x must be float32, float64, float16 "
                                         rf"or bfloat16, got {C10_NAME[dtype]}"):
         fusedlayers.linear_gelu(torch.ones(3, 7, dtype=dtype), torch.ones(5, 7, dtype=dtype))
 
 
 @pytest.mark.parametrize("w_dtype,b_dtype,match", [
-    (torch.float64, None, r"weight must have input's dtype float32, got float64"),
+    (torch.float64, None, r"weight must have x's dtype float32, got float64"),
     (torch.int64, None, r"weight must be float32, float64, float16 or bfloat16, got Long"),
-    (torch.bfloat16, None, r"weight must have input's dtype float32, got bfloat16"),
-    (torch.float32, torch.float64, r"bias must have input's dtype float32, got float64"),
+    (torch.bfloat16, None, r"weight must have x's dtype float32, got bfloat16"),
+    (torch.float32, torch.float64, r"bias must have x's dtype float32, got float64"),
 ])
 def test_linear_gelu_dtype_mismatch(w_dtype, b_dtype, match):
     b = None if b_dtype is None else torch.zeros(5, dtype=b_dtype)

@@ -192,9 +192,21 @@ class _Block(nn.Module):
             return self.act(self.fc(self.act(x)))
         if self.kind == "functional":
             return F.gelu(self.fc(x))
-        if self.kind == "untraceable":
-            return self.act(self.fc(x)) if x.sum() > 0 else x
+        if self.kind == "untraceable":  # and its source feeds fc's output to the GELU and on
+            h = self.fc(x)
+            return self.act(h) if x.sum() > 0 else h
         raise ValueError(self.kind)
+
+
+class _UntraceableNested(nn.Module):
+    """torch.fx cannot trace the branch on a tensor; only the GELU sees fc's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(6, 6), nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.fc(x)) if x.sum() > 0 else x
 
 
 @pytest.mark.parametrize("kind,reason", [
@@ -212,6 +224,41 @@ def test_left_with_a_reason(kind, reason):
     assert reason in left[2], left
     x = torch.randn(3, 6)
     torch.testing.assert_close(block(x), ref(x), rtol=0, atol=0)
+
+
+def test_untraceable_forward_fused_from_its_source():
+    block = _UntraceableNested()
+    ref = copy.deepcopy(block)
+    fuse(block)
+    assert isinstance(block.fc, FusedLinearGELU) and isinstance(block.act, nn.Identity)
+    assert not block.fusedlayers_report.left
+    for sign in (1, -1):
+        x = sign * torch.rand(3, 6)
+        torch.testing.assert_close(block(x), ref(x))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_whisper_encoder_layer(train):
+    """Whisper's encoder layer: torch.fx cannot trace its forward (a checkpointing wrapper takes
+    *args, attention returns a tuple); its fc1 + activation_fn MLP is found in the source."""
+    from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
+    config = transformers.WhisperConfig(d_model=64, encoder_attention_heads=4,
+                                        encoder_ffn_dim=96, activation_dropout=0.0,
+                                        dropout=0.0, attention_dropout=0.0)
+    layer = WhisperEncoderLayer(config).train(train)
+    ref, weight = copy.deepcopy(layer), layer.fc1.weight
+    fuse(layer)
+    assert isinstance(layer.fc1, FusedLinearGELU) and isinstance(layer.activation_fn, nn.Identity)
+    assert layer.fc1.weight is weight  # the Parameter is shared, not copied
+    assert isinstance(layer.final_layer_norm, LayerNorm)
+    assert not layer.fusedlayers_report.left, layer.fusedlayers_report
+    x = torch.randn(BATCH, SEQ, 64, requires_grad=True)
+    out, out_ref = layer(x, None), ref(x, None)
+    out, out_ref = (o[0] if isinstance(o, tuple) else o for o in (out, out_ref))
+    assert rel_err(out, out_ref) <= 1e-5
+    (dx,) = torch.autograd.grad(out.sum(), x)
+    (dx_ref,) = torch.autograd.grad(out_ref.sum(), x)
+    assert rel_err(dx, dx_ref) <= 1e-5
 
 
 def test_not_gelu_not_linear_not_swapped():

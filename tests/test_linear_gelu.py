@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fusedlayers
 import fusedlayers.torch  # noqa: F401  (loads the extension into torch.ops)
-from fusedlayers import reference
+from fusedlayers.torch import reference
 from _helpers import as_layout, assert_bitwise, assert_calibrated, f64, grads, leaf_shape, rel_err
 
 APPROX = ("none", "tanh")

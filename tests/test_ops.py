@@ -1,10 +1,10 @@
 """Every op of `op_db.OP_DB`, generated from its table entry (sample inputs, reference, bad
-inputs): forward and gradients in torch on the CPU and CUDA and in TensorFlow against the float64
-reference, calibrated against the unfused computation in the dtype under test (bitwise equal to
-it where the op rounds once); torch<->TF parity (bitwise where both run the same csrc kernels);
-gradcheck and tf.test.compute_gradient in float64; opcheck of every fusedlayers op a sample's
-forward and backward reach; and the argument errors in both frameworks, eagerly and in
-tf.function. The op-specific behaviour (modules, options of one framework, special values,
+inputs): forward and gradients in torch on the CPU and CUDA, in TensorFlow and in JAX against the
+float64 reference, calibrated against the unfused computation in the dtype under test (bitwise
+equal to it where the op rounds once); torch<->TF and torch<->JAX parity (bitwise where they run
+the same csrc kernels); gradcheck, tf.test.compute_gradient and jax.test_util.check_grads in
+float64; opcheck of every fusedlayers op a sample's forward and backward reach; and the argument
+errors in every framework, eagerly and compiled (tf.function, jax.jit). The op-specific behaviour (modules, options of one framework, special values,
 determinism) stays in tests/test_<op>.py."""
 
 import dataclasses
@@ -301,3 +301,111 @@ def test_tf_errors(op, e, mode, tf):
 
     with pytest.raises(tf.errors.InvalidArgumentError, match=e.match):
         (call if mode == "eager" else tf.function(call))()
+
+
+# ---------------------------------------------------------------- JAX (XLA custom calls)
+
+@pytest.fixture
+def jax(request):
+    """jax with float64 arrays enabled for the test (restored after it); a float64 test runs on
+    JAX's CPU device (the CUDA kernels take no float64), the others on its default device."""
+    jax = pytest.importorskip("jax")
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    float64 = "float64" in request.node.name
+    with jax.default_device(jax.devices("cpu")[0] if float64 else None):
+        yield jax
+    jax.config.update("jax_enable_x64", previous)
+
+
+def _jax_array(jax, v: torch.Tensor):
+    """A torch CPU tensor as a jax.Array of the same dtype (exact: its values are in it)."""
+    return jax.numpy.asarray(v.double().numpy()).astype(str(v.dtype).removeprefix("torch."))
+
+
+def run_jax(jax, op, s, leaves, dy, compiled=True):
+    """As run_torch, through the JAX op (under jax.jit when compiled), back as torch tensors."""
+    present = [n for n, v in leaves.items() if v is not None]
+
+    def fn(*ts):
+        return getattr(fl, op.name)(**{**leaves, **dict(zip(present, ts))}, **s.kwargs)
+
+    def forward_and_grads(*ts):
+        y, vjp = jax.vjp(fn, *ts)
+        return y, vjp(_jax_array(jax, dy).astype(y.dtype))
+
+    run = jax.jit(forward_and_grads) if compiled else forward_and_grads
+    y, gs = run(*[_jax_array(jax, leaves[n]) for n in present])
+    back = lambda a: torch.from_numpy(np.asarray(a).astype(np.float64)).to(  # noqa: E731
+        DTYPES[str(a.dtype)])
+    return {"y": back(y), **{f"d{n}": back(g) for n, g in zip(present, gs)}}
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
+def test_jax(op, s, dtype, device, rng, jax):
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    ref, dy, scales = reference64(op, s, leaves, rng)
+    ours = run_jax(jax, op, s, leaves, dy)
+    base = baseline(op, s, leaves, dy)
+    check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"JAX {op.name} {s.id}")
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(["float32", "bfloat16"], contiguous_only=True))
+def test_jax_parity(op, s, dtype, device, rng, jax):
+    """The same rounded inputs through torch's and JAX's fused ops, JAX eagerly: the ops of csrc
+    kernels alone agree bit for bit; linear_gelu's dots are each framework's own, so its float32
+    results agree to their rounding and its bfloat16 ones are not compared."""
+    if not op.bitwise_parity and dtype != "float32":
+        pytest.skip("the frameworks' own GEMMs differ beyond float32 rounding in bfloat16")
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    dy = torch.from_numpy(np.asarray(rng.normal(
+        getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves["x"].dtype)
+    a = run_torch(getattr(fl, op.name), s, leaves, dy)
+    b = run_jax(jax, op, s, leaves, dy, compiled=False)
+    assert set(a) == set(b)
+    for name in a:
+        x, y = np64(a[name]), np64(b[name])
+        assert x.shape == y.shape, (name, x.shape, y.shape)
+        if op.bitwise_parity:
+            diff = ~((x == y) | (np.isnan(x) & np.isnan(y)))
+            assert not diff.any(), (f"{op.name} {s.id} {name}: torch and JAX differ at "
+                                    f"{int(diff.sum())} of {x.size} elements ({rng})")
+        else:
+            k = s.shapes["x"][-1] if s.shapes["x"] else 1
+            tol = 1e-6 * max(1.0, np.sqrt(k / 64))
+            err = rel_err(x, y, op.grad_scales(
+                {n: None if v is None else v.double() for n, v in leaves.items()},
+                dy.double(), s.kwargs).get(name))
+            assert err <= tol, f"{op.name} {s.id} {name}: {err:.2e} > {tol:.1e} ({rng})"
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(["float64"], contiguous_only=True,
+                                                     small=True, nonempty=True))
+def test_jax_check_grads(op, s, dtype, device, rng, jax):
+    from jax.test_util import check_grads
+    values = {n: None if v is None else jax.numpy.asarray(v) for n, v in draw(op, s, rng).items()}
+    names = [n for n, v in values.items() if v is not None]
+
+    def fn(*ts):  # check_grads' finite differences pass NumPy arrays
+        ts = [jax.numpy.asarray(t) for t in ts]
+        return getattr(fl, op.name)(**{**values, **dict(zip(names, ts))}, **s.kwargs)
+
+    check_grads(fn, [values[n] for n in names], order=1, modes=("rev",), atol=1e-6, rtol=1e-6,
+                eps=1e-6)
+
+
+@pytest.mark.parametrize("op,e", [pytest.param(op, e, id=f"{op.name}-{e.id}")
+                                  for op in OP_DB for e in op.errors])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_jax_errors(op, e, mode, jax):
+    """The binding's own rules (dtypes csrc does not take, argument types) raise before the call
+    (TypeError/ValueError); csrc's fail the custom call with csrc's message."""
+    jnp = jax.numpy
+    tensors = {n: jnp.ones(shape, dt) for n, (shape, dt) in e.tensors.items()}
+
+    def call():
+        return getattr(fl, op.name)(**tensors, **e.kwargs)
+
+    expected = (TypeError if e.type_error else ValueError, jax.errors.JaxRuntimeError)
+    with pytest.raises(expected, match=e.match):
+        jax.block_until_ready((call if mode == "eager" else jax.jit(call))())

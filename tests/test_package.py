@@ -163,7 +163,7 @@ def test_jit_build_matches_reference(tmp_path):
         import fusedlayers, torch
         assert fusedlayers.__file__.startswith({str(root)!r})
         import fusedlayers.torch
-        from fusedlayers import reference
+        from fusedlayers.torch import reference
         from fusedlayers.torch import _op
         assert _op.LOAD_ERROR is None, _op.LOAD_ERROR
         maps = open("/proc/self/maps").read()

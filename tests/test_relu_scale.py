@@ -11,7 +11,7 @@ import torch
 
 import fusedlayers
 import fusedlayers.torch  # noqa: F401  (registers the ops' autograd and fake kernels)
-from fusedlayers import reference
+from fusedlayers.torch import UnfusedReLUScale, reference
 from _helpers import ALL_DTYPES, assert_bitwise
 
 ALPHAS = (1.0, 0.5, 3.7, 1 / 3, -2.25, 0.0, -0.0, 1e-30, 7e10)
@@ -70,7 +70,7 @@ def test_layer_matches_reference_module():
     from fusedlayers.torch import FusedReLUScale
     x = torch.randn(4, 9, requires_grad=True)
     y = FusedReLUScale(0.25)(x)
-    assert_bitwise(y, reference.ReLUScale(0.25)(x))
+    assert_bitwise(y, UnfusedReLUScale(0.25)(x))
 
 
 def test_does_not_modify_input():
@@ -87,7 +87,7 @@ def packed_mask(x: torch.Tensor) -> torch.Tensor:
     packed = np.packbits(keep.numpy(), bitorder="little")
     words = np.zeros(4 * ((x.numel() + 31) // 32), dtype=np.uint8)
     words[:packed.size] = packed
-    return torch.from_numpy(words.view(np.int32))
+    return torch.from_numpy(words.view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
@@ -97,7 +97,7 @@ def test_mask_layout(dtype, n):
     x[torch.randint(0, max(n, 1), (n // 10,))] = torch.tensor(
         [math.nan, -0.0, 0.0, math.inf, -math.inf], dtype=dtype)[torch.randint(0, 5, (1,))]
     y, mask = torch.ops.fusedlayers.relu_scale_with_mask(x, 1.5)
-    assert mask.dtype == torch.int32 and mask.shape == ((n + 31) // 32,)
+    assert mask.dtype == torch.uint32 and mask.shape == ((n + 31) // 32,)
     assert torch.equal(mask, packed_mask(x))
     assert_bitwise(y, fusedlayers.relu_scale(x, 1.5))
 
@@ -107,7 +107,7 @@ def test_autograd_saves_only_the_mask():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = fusedlayers.relu_scale(x, 2.0)
-    assert [(t.dtype, t.shape) for t in saved] == [(torch.int32, ((x.numel() + 31) // 32,))]
+    assert [(t.dtype, t.shape) for t in saved] == [(torch.uint32, ((x.numel() + 31) // 32,))]
     assert torch.equal(saved[0], packed_mask(x))
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert_bitwise(dx, (x > 0).float() * 2.0)
@@ -116,8 +116,8 @@ def test_autograd_saves_only_the_mask():
 def test_backward_rejects_a_wrong_mask():
     g = torch.randn(5, 40)
     mask = torch.ops.fusedlayers.relu_scale_with_mask(torch.randn(5, 40), 1.0)[1]
-    with pytest.raises(ValueError, match=r"mask must have shape \[7\] for grad_out of 200 "
+    with pytest.raises(ValueError, match=r"mask must have shape \[7\] for dy of 200 "
                                          r"elements, got \[6\]"):
         torch.ops.fusedlayers.relu_scale_backward(g, mask[:6], 1.0)
-    with pytest.raises(TypeError, match=r"mask must be int32 \(packed bits\), got Long"):
+    with pytest.raises(TypeError, match=r"mask must be uint32 \(packed bits\), got Long"):
         torch.ops.fusedlayers.relu_scale_backward(g, mask.long(), 1.0)

@@ -19,7 +19,7 @@ from fusedlayers.tensorflow import _library  # noqa: E402
 pytestmark = pytest.mark.skipif(_sources.find_cuda_home() is None, reason="needs nvcc")
 
 OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm",
-       "FusedlayersLayerNormGrad", "FusedlayersBiasGelu", "FusedlayersBiasGeluGrad"]
+       "FusedlayersLayerNormGrad", "FusedlayersLinearGeluEpilogue", "FusedlayersLinearGeluEpilogueGrad"]
 
 
 @pytest.fixture(scope="module")

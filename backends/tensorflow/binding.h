@@ -11,7 +11,9 @@
 #include "absl/container/inlined_vector.h"
 
 #include "csrc/common.h"
+#include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #if GOOGLE_CUDA
 #include "xla/stream_executor/stream.h"
@@ -20,8 +22,19 @@
 namespace fusedlayers {
 namespace tf_binding {
 
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+// The ops' dtype attributes: T of x (and everything like it), P of the norms' parameters, U of
+// their statistics.
+constexpr char kTypeT[] = "T: {float, double, half, bfloat16}";
+constexpr char kTypeP[] = "P: {float, double, half, bfloat16}";
+constexpr char kTypeU[] = "U: {float, double}";
 
 inline DType to_dtype(::tensorflow::DataType t) {
   switch (t) {

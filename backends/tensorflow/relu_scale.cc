@@ -2,41 +2,29 @@
 #include "backends/tensorflow/binding.h"
 #include "csrc/relu_scale.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
-#include "tensorflow/core/framework/op.h"
 
-namespace fusedlayers {
-namespace tf_binding {
+namespace fusedlayers::tf_binding {
 namespace {
 
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::TensorShape;
-using ::tensorflow::shape_inference::InferenceContext;
+// y like x; mask: relu_scale_mask_words(x's elements) words.
+absl::Status ReluScaleShape(InferenceContext* c) {
+  c->set_output(0, c->input(0));
+  const int64_t n = c->Value(c->NumElements(c->input(0)));
+  c->set_output(1, c->Vector(n == InferenceContext::kUnknownDim ? InferenceContext::kUnknownDim
+                                                                : relu_scale_mask_words(n)));
+  return absl::OkStatus();
+}
 
 // mask: the packed bits where x is not <= 0, kept for the gradient instead of x (layout in
-// csrc/relu_scale.h). uint32, not int32: TF keeps int32 tensors of GPU kernels in host memory.
+// csrc/relu_scale.h); uint32 as in the torch binding (TF keeps int32 tensors of GPU kernels in
+// host memory).
 REGISTER_OP("FusedlayersReluScale")
-    .Input("x: T")
-    .Output("y: T")
-    .Output("mask: uint32")
-    .Attr("alpha: float")
-    .Attr("T: {float, double, half, bfloat16}")
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      const int64_t n = c->Value(c->NumElements(c->input(0)));
-      c->set_output(1, c->Vector(n == InferenceContext::kUnknownDim
-                                     ? InferenceContext::kUnknownDim
-                                     : relu_scale_mask_words(n)));
-      return absl::OkStatus();
-    })
+    .Input("x: T").Output("y: T").Output("mask: uint32").Attr("alpha: float").Attr(kTypeT)
+    .SetShapeFn(ReluScaleShape)
     .Doc("y = max(x, 0) * alpha (NaN propagates); mask = packed bits of x > 0 or NaN.");
 
 REGISTER_OP("FusedlayersReluScaleGrad")
-    .Input("dy: T")
-    .Input("mask: uint32")
-    .Output("dx: T")
-    .Attr("alpha: float")
-    .Attr("T: {float, double, half, bfloat16}")
+    .Input("dy: T").Input("mask: uint32").Output("dx: T").Attr("alpha: float").Attr(kTypeT)
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("dx = dy * alpha where mask is set, else 0.");
 
@@ -57,7 +45,7 @@ class ReluScaleOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             1, TensorShape({relu_scale_mask_words(x.NumElements())}), &mask));
-    a.out = mutable_ptr(y);
+    a.y = mutable_ptr(y);
     a.mask = mask->flat<uint32_t>().data();
     call_csrc(ctx, [&] { relu_scale_forward(a, exec_for<kGpu>(ctx)); });
   }
@@ -83,7 +71,7 @@ class ReluScaleGradOp : public OpKernel {
     if (!call_csrc(ctx, [&] { relu_scale_backward_check(a); })) return;
     Tensor* dx = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, dy.shape(), &dx));
-    a.grad_input = mutable_ptr(dx);
+    a.dx = mutable_ptr(dx);
     call_csrc(ctx, [&] { relu_scale_backward(a, exec_for<kGpu>(ctx)); });
   }
 
@@ -95,5 +83,4 @@ FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScale", ReluScaleOp, "T");
 FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScaleGrad", ReluScaleGradOp, "T");
 
 }  // namespace
-}  // namespace tf_binding
-}  // namespace fusedlayers
+}  // namespace fusedlayers::tf_binding

@@ -11,8 +11,12 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <array>
 #include <optional>
+#include <string>
 #include <type_traits>
+
+#include "backends/torch/binding.h"
 
 namespace fusedlayers {
 namespace torch_binding {
@@ -43,9 +47,21 @@ inline bool needs_grad(std::initializer_list<const at::Tensor*> inputs) {
 
 inline const at::Tensor* ptr_if(const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; }
 
+// fn() run below autograd: the op's CPU/CUDA (or, while tracing, fake) kernel.
+template <typename Fn>
+auto below_autograd(Fn&& fn) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  return fn();
+}
+
+// An optional input saved for the backward, and whether it was present.
+inline std::pair<SavedVariable, bool> save_if(const std::optional<at::Tensor>& t) {
+  return t ? std::pair{SavedVariable(*t, false), true} : std::pair{SavedVariable(), false};
+}
+
 // A backward op runs below autograd, like a native backward kernel, unless the backward is itself
 // being recorded (create_graph=True): then its autograd kernel (the fallback registered with
-// register_backward_autograd) makes a second derivative raise instead of being silently wrong.
+// impl_op) makes a second derivative raise instead of being silently wrong.
 // Saved variables are unpacked before the guard: unpacking runs saved-tensor hooks, and
 // activation checkpointing's recomputes the forward there, which must record autograd as the
 // original forward did.
@@ -63,9 +79,29 @@ inline std::optional<at::Tensor> unpack_if(const SavedVariable& v, bool present)
   return present ? std::optional<at::Tensor>(v.unpack()) : std::nullopt;
 }
 
-// Backward ops have no derivative of their own: differentiating through them raises.
-inline void register_backward_autograd(torch::Library& m, const char* name) {
-  m.impl(name, torch::autograd::autogradNotImplementedFallback());
+// The Node of an op's backward: Derived lists its SavedVariables in saved_variables() (a std::array of
+// pointers) and names itself kName.
+template <typename Derived>
+struct SavingNode : Node {
+  void release_variables() override {
+    for (SavedVariable* v : static_cast<Derived*>(this)->saved_variables()) v->reset_data();
+  }
+  std::string name() const override { return Derived::kName; }
+};
+
+// Registers, from an op's TORCH_LIBRARY_FRAGMENT, operator `name`'s kernels: `kernel` for the
+// CPU and CUDA (binding.h's impl_devices), `autograd` for Autograd; and those of its backward
+// operator `name`_backward: `backward` for the CPU and CUDA and, as it has no derivative of its
+// own, an autograd kernel that raises when differentiated through.
+template <typename Fn, typename BackwardFn, typename AutogradFn>
+void impl_op(torch::Library& m, const std::string& name, Fn* kernel, BackwardFn* backward,
+             AutogradFn* autograd) {
+  const std::string backward_name = name + "_backward";
+  impl_devices(m, name.c_str(), kernel);
+  impl_devices(m, backward_name.c_str(), backward);
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, autograd));
+  m.impl(backward_name.c_str(), torch::dispatch(c10::DispatchKey::Autograd,
+                                                torch::autograd::autogradNotImplementedFallback()));
 }
 
 }  // namespace torch_binding

@@ -5,88 +5,83 @@
 #include "backends/torch/binding.h"
 #include "csrc/relu_scale.h"
 
-namespace fusedlayers {
-namespace torch_binding {
+namespace fusedlayers::torch_binding {
 namespace {
 
-// y, and the packed mask when save_mask (else an undefined tensor).
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, double alpha, bool save_mask) {
-  check_floating("relu_scale", "x", x);
-  const at::Tensor xc = x.contiguous();
-  ReluScaleForward a{ref(xc), alpha};
+using ForwardSig = at::Tensor(const at::Tensor&, double);
+using WithMaskSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double);
+using BackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+
+// y, and the packed mask when with_mask (else an undefined tensor).
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_in, double alpha, bool with_mask) {
+  check_tensors("relu_scale", "x", x_in, {});
+  const at::Tensor x = x_in.contiguous();
+  ReluScaleForward a{ref(x), alpha};
   call_csrc([&] { relu_scale_forward_check(a); });
-  at::Tensor y = at::empty_like(xc);
+  at::Tensor y = at::empty_like(x);
   at::Tensor mask;
-  if (save_mask) {
-    mask = at::empty({relu_scale_mask_words(xc.numel())}, xc.options().dtype(at::kInt));
-    a.mask = reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
+  if (with_mask) {
+    mask = at::empty({relu_scale_mask_words(x.numel())}, x.options().dtype(at::kUInt32));
+    a.mask = static_cast<uint32_t*>(mask.data_ptr());
   }
-  a.out = y.data_ptr();
-  const c10::OptionalDeviceGuard guard(xc.device());  // kernels get no guard from the dispatcher
-  call_csrc([&] { relu_scale_forward(a, exec_for(xc)); });
+  a.y = y.data_ptr();
+  const c10::OptionalDeviceGuard guard(x.device());  // kernels get no guard from the dispatcher
+  call_csrc([&] { relu_scale_forward(a, exec_for(x)); });
   return {y, mask};
 }
 
-at::Tensor relu_scale_op(const at::Tensor& x, double alpha) {
+at::Tensor forward_kernel(const at::Tensor& x, double alpha) {
   return std::get<0>(forward(x, alpha, false));
 }
 
-std::tuple<at::Tensor, at::Tensor> relu_scale_with_mask_op(const at::Tensor& x, double alpha) {
+std::tuple<at::Tensor, at::Tensor> with_mask_kernel(const at::Tensor& x, double alpha) {
   return forward(x, alpha, true);
 }
 
-at::Tensor relu_scale_backward_op(const at::Tensor& grad_out, const at::Tensor& mask,
-                                   double alpha) {
+at::Tensor backward_kernel(const at::Tensor& dy_in, const at::Tensor& mask_in, double alpha) {
   const char* op = "relu_scale_backward";
-  check_floating(op, "grad_out", grad_out);
-  TORCH_CHECK_TYPE(mask.scalar_type() == at::kInt, "fusedlayers.", op,
-                   ": mask must be int32 (packed bits), got ", mask.scalar_type());
-  check_same_device(op, "mask", mask, "grad_out", grad_out);
-  const at::Tensor dy = grad_out.contiguous(), m = mask.contiguous();
-  ReluScaleBackward a{ref(dy), reinterpret_cast<const uint32_t*>(m.data_ptr<int32_t>()),
-                      sizes(m.sizes()), alpha};
+  check_tensors(op, "dy", dy_in, {});
+  TORCH_CHECK_TYPE(mask_in.scalar_type() == at::kUInt32, "fusedlayers.", op,
+                   ": mask must be uint32 (packed bits), got ", mask_in.scalar_type());
+  check_same_device(op, "mask", mask_in, "dy", dy_in);
+  const at::Tensor dy = dy_in.contiguous(), mask = mask_in.contiguous();
+  ReluScaleBackward a{ref(dy), static_cast<const uint32_t*>(mask.data_ptr()),
+                      sizes(mask.sizes()), alpha};
   call_csrc([&] { relu_scale_backward_check(a); });
   at::Tensor dx = at::empty_like(dy);
-  a.grad_input = dx.data_ptr();
+  a.dx = dx.data_ptr();
   const c10::OptionalDeviceGuard guard(dy.device());
   call_csrc([&] { relu_scale_backward(a, exec_for(dy)); });
   return dx;
 }
 
-// relu_scale saves the packed sign mask, not x: 1 bit per element (csrc/relu_scale.h).
-struct ReluScaleBackward final : Node {
+// Saves the packed sign mask, not x: 1 bit per element (csrc/relu_scale.h).
+struct ReluScaleBackwardNode final : SavingNode<ReluScaleBackwardNode> {
+  static constexpr const char* kName = "fusedlayers::ReluScaleBackwardNode";
   SavedVariable mask;
   double alpha = 0;
 
   variable_list apply(variable_list&& grads) override {
-    static const auto bwd =
-        op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("relu_scale_backward");
+    static const auto backward = op<BackwardSig>("relu_scale_backward");
     std::lock_guard<std::mutex> lock(mutex_);
     if (!grads[0].defined()) return {at::Tensor()};
     const at::Tensor m = mask.unpack();
     BackwardGuard guard;
-    return {bwd.call(grads[0], m, alpha)};
+    return {backward.call(grads[0], m, alpha)};
   }
-  void release_variables() override { mask.reset_data(); }
-  std::string name() const override { return "fusedlayers::ReluScaleBackward"; }
+  auto saved_variables() { return std::array{&mask}; }
 };
 
 // Without a backward to feed, the plain forward: no mask is written and no Node is made.
-at::Tensor relu_scale_autograd(const at::Tensor& x, double alpha) {
+at::Tensor autograd_kernel(const at::Tensor& x, double alpha) {
   if (!needs_grad({&x})) {
-    static const auto fwd = op<at::Tensor(const at::Tensor&, double)>("relu_scale");
-    at::AutoDispatchBelowADInplaceOrView below;
-    return fwd.call(x, alpha);
+    static const auto forward = op<ForwardSig>("relu_scale");
+    return below_autograd([&] { return forward.call(x, alpha); });
   }
-  static const auto fwd = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double)>(
-      "relu_scale_with_mask");
-  auto node = make_node<ReluScaleBackward>();
+  static const auto forward = op<WithMaskSig>("relu_scale_with_mask");
+  auto node = make_node<ReluScaleBackwardNode>();
   node->set_next_edges(torch::autograd::collect_next_edges(x));
-  at::Tensor y, mask;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    std::tie(y, mask) = fwd.call(x, alpha);
-  }
+  auto [y, mask] = below_autograd([&] { return forward.call(x, alpha); });
   torch::autograd::set_history(y, node);
   node->mask = SavedVariable(mask, false);
   node->alpha = alpha;
@@ -96,30 +91,12 @@ at::Tensor relu_scale_autograd(const at::Tensor& x, double alpha) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
+  // mask: uint32 words of packed bits, where x is not <= 0 (layout in csrc/relu_scale.h).
   m.def("relu_scale(Tensor x, float alpha) -> Tensor");
-  // mask: int32 words of packed bits, where x is not <= 0 (layout in csrc/relu_scale.h).
-  m.def("relu_scale_with_mask(Tensor x, float alpha) -> (Tensor out, Tensor mask)");
-  m.def("relu_scale_backward(Tensor grad_out, Tensor mask, float alpha) -> Tensor");
+  m.def("relu_scale_with_mask(Tensor x, float alpha) -> (Tensor y, Tensor mask)");
+  m.def("relu_scale_backward(Tensor dy, Tensor mask, float alpha) -> Tensor");
+  impl_op(m, "relu_scale", &forward_kernel, &backward_kernel, &autograd_kernel);
+  impl_devices(m, "relu_scale_with_mask", &with_mask_kernel);
 }
 
-TORCH_LIBRARY_IMPL(fusedlayers, CPU, m) {
-  m.impl("relu_scale", &relu_scale_op);
-  m.impl("relu_scale_with_mask", &relu_scale_with_mask_op);
-  m.impl("relu_scale_backward", &relu_scale_backward_op);
-}
-
-#ifdef FUSEDLAYERS_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusedlayers, CUDA, m) {
-  m.impl("relu_scale", &relu_scale_op);
-  m.impl("relu_scale_with_mask", &relu_scale_with_mask_op);
-  m.impl("relu_scale_backward", &relu_scale_backward_op);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(fusedlayers, Autograd, m) {
-  m.impl("relu_scale", &relu_scale_autograd);
-  register_backward_autograd(m, "relu_scale_backward");
-}
-
-}  // namespace torch_binding
-}  // namespace fusedlayers
+}  // namespace fusedlayers::torch_binding

@@ -1,8 +1,9 @@
-"""fusedlayers for Keras 3: FusedReLUScale, FusedLinearGELU and LayerNorm, drop-in for the
-Keras layers they replace, on the TensorFlow or the torch backend."""
+"""fusedlayers for Keras 3: one layer module per op of the table (fusedlayers.ops), drop-in for
+the Keras layers they replace, on the TensorFlow or the torch backend; `fuse(model)` swaps them
+into a model's clone."""
 
+from .. import ops as _ops
+from ._layer import framework
 from .fuse import fuse
-from .layers import FusedLinearGELU, FusedReLUScale, LayerNorm
-from .rms_norm import RMSNorm
 
-__all__ = ["FusedLinearGELU", "FusedReLUScale", "LayerNorm", "fuse", "RMSNorm"]
+__all__ = ["framework", "fuse", *_ops.export(__name__, globals(), "keras")]

@@ -1,6 +1,8 @@
 """`fuse(model)`: a clone of a Keras Sequential or functional model (keras.models.clone_model) with
-its `LayerNormalization` layers as `LayerNorm`, its `RMSNormalization` layers as `RMSNorm` and its
-`Dense` layers with a GELU activation as `FusedLinearGELU`, the weights copied. The GELU is recognised by what the activation computes
+each layer that a fused layer replaces with the same config and weights (its `fuse_replaces`:
+`LayerNormalization` -> `LayerNorm`, `RMSNormalization` -> `RMSNorm`) swapped, and its `Dense`
+layers with a GELU activation as `FusedLinearGELU`, the weights copied. The GELU is recognised
+by what the activation computes
 (erf or tanh GELU on a float64 probe from -100 to 100), not by its name; each swapped layer is
 checked against the original on a probe input and, if it differs, left as it was and reported,
 as is the whole model's output. The report is `clone.fusedlayers_report`.
@@ -11,9 +13,9 @@ import math
 import keras
 import numpy as np
 
+from .. import ops
 from ..fuse_report import FuseReport
-from .layers import FusedLinearGELU, LayerNorm
-from .rms_norm import RMSNorm
+from .linear_gelu import FusedLinearGELU
 
 # ||fused - original|| / ||original|| allowed on a probe, per compute dtype.
 _TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
@@ -24,20 +26,32 @@ _DENSE_KEYS = ("units", "use_bias", "kernel_initializer", "bias_initializer",
                "kernel_constraint", "bias_constraint", "name", "dtype", "trainable")
 
 
-def fuse(model: keras.Model, *, layer_norm: bool = True, linear_gelu: bool = True,
-         rms_norm: bool = True, verbose: bool = False) -> keras.Model:
+def fuse(model: keras.Model, *, verbose: bool = False, **enabled: bool) -> keras.Model:
     """A clone of `model` with LayerNormalization -> LayerNorm, RMSNormalization -> RMSNorm and
     Dense(activation=GELU) -> FusedLinearGELU (same names, configs and weights); `model` itself
     is left unchanged.
 
     model: a built Sequential or functional keras.Model (subclassed models cannot be cloned:
-    swap their layers in their code). Returns the clone; its `fusedlayers_report` lists what was
-    swapped and what was left, and why (printed when verbose). Raises TypeError for anything
-    else than a built Sequential or functional model.
+    swap their layers in their code). enabled: one keyword per op of fusedlayers.ops
+    (layer_norm=False leaves the LayerNormalizations, ...); every op is fused by default.
+    Returns the clone; its `fusedlayers_report` lists what was swapped and what was left, and
+    why (printed when verbose). Raises TypeError for anything else than a built Sequential or
+    functional model, or a keyword that names no op.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"fusedlayers.keras.fuse: model must be a keras.Model, got "
                         f"{type(model).__module__}.{type(model).__qualname__}")
+    unknown = set(enabled) - set(ops.NAMES)
+    if unknown:
+        raise TypeError(f"fusedlayers.keras.fuse: unexpected keyword(s) {sorted(unknown)}; the "
+                        f"ops are {', '.join(ops.NAMES)}")
+    replacements = {}  # Keras layer class -> the fused layer class with its config and weights
+    for op in ops.OPS:
+        for name in ops.module(op, "keras").__all__ if enabled.get(op.name, True) else ():
+            fused = getattr(ops.module(op, "keras"), name)
+            if getattr(fused, "fuse_replaces", None) is not None:
+                replacements[fused.fuse_replaces] = fused
+    linear_gelu = enabled.get("linear_gelu", True)
     if not getattr(model, "inputs", None):  # subclassed, or a Sequential without an Input
         raise TypeError(f"fusedlayers.keras.fuse: model must be a Sequential or functional model "
                         f"with a keras.Input; {type(model).__qualname__} has no symbolic inputs "
@@ -49,7 +63,7 @@ def fuse(model: keras.Model, *, layer_norm: bool = True, linear_gelu: bool = Tru
         try:
             clone = keras.models.clone_model(
                 model, recursive=True, clone_function=lambda layer: _swap(
-                    layer, swaps, excluded, left, layer_norm, linear_gelu, rms_norm))
+                    layer, swaps, excluded, left, replacements, linear_gelu))
         except ValueError as e:  # clone_model refuses subclassed models
             raise TypeError(f"fusedlayers.keras.fuse: model must be a Sequential or functional "
                             f"model; {type(model).__qualname__} cannot be cloned ({e}); use "
@@ -82,16 +96,15 @@ def _gelu_form(activation) -> str | None:
     return None
 
 
-def _swap(layer, swaps, excluded, left, layer_norm, linear_gelu, rms_norm):
+def _swap(layer, swaps, excluded, left, replacements, linear_gelu):
     config = layer.get_config()
     if layer.name in excluded:
         return layer.__class__.from_config(config)
-    for wanted, was, now in ((layer_norm, keras.layers.LayerNormalization, LayerNorm),
-                             (rms_norm, keras.layers.RMSNormalization, RMSNorm)):
-        if wanted and type(layer) is was:  # the same config keys and weights, in order
-            new = now.from_config(config)
-            swaps[layer.name] = (was.__name__, now.__name__, (layer, new))
-            return new
+    now = replacements.get(type(layer))
+    if now is not None:  # the same config keys and weights, in order
+        new = now.from_config(config)
+        swaps[layer.name] = (type(layer).__name__, now.__name__, (layer, new))
+        return new
     if linear_gelu and type(layer) is keras.layers.Dense:
         form = _gelu_form(layer.activation)
         if form is not None:

@@ -10,15 +10,12 @@ of its own CUDA version, which a dynamically linked libcudart would otherwise bi
 toolkit's runtime needs a driver that supports it (CUDA 13: driver 580 or newer).
 """
 
-import concurrent.futures
-import hashlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 from .. import _sources
-from .._sources import BUILD_COMMAND, NotBuiltError
+from .._sources import BUILD_COMMAND
+from ..errors import NotBuiltError
 
 LIBRARY = Path(__file__).resolve().parent.parent / "_tf_ops.so"
 
@@ -41,48 +38,11 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
         cuda, why = cuda_build()
         print(f"fusedlayers: {'building' if cuda else 'not building'} the TensorFlow GPU "
               f"kernels ({why})")
-    cflags = ["-O3", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size",
-              *_sources.CXX_FLAGS, f"-I{_sources.ROOT}", *tf.sysconfig.get_compile_flags(),
-              "-std=c++17"]
-    ldflags = tf.sysconfig.get_link_flags()
-    if cuda:
-        cuda_home = _sources.find_cuda_home()
-        if cuda_home is None:
-            raise NotBuiltError("fusedlayers: CUDA requested but no toolkit found; "
-                                         "set CUDA_HOME")
-        cflags += ["-DGOOGLE_CUDA=1", _sources.CUDA_DEFINE]
-        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
-        nvcc = [f"{cuda_home}/bin/nvcc", *_sources.NVCC_FLAGS, f"-I{_sources.ROOT}",
-                *_sources.gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]
-        libdir = next((d for d in (Path(cuda_home) / "lib64",
-                                   Path(cuda_home) / "targets/x86_64-linux/lib")
-                       if (d / "libcudart_static.a").exists()), Path(cuda_home) / "lib64")
-        ldflags = [*ldflags, f"-L{libdir}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread",
-                   "-Wl,--exclude-libs,ALL"]
-    sources = _sources.tensorflow_sources(cuda=cuda)
-    if not sources:
-        raise NotBuiltError(f"fusedlayers: no TensorFlow sources under {_sources.ROOT}")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        objects = [Path(tmp) / f"{i}_{src.stem}.o" for i, src in enumerate(sources)]
-
-        def run(cmd):
-            if verbose:
-                print(" ".join(cmd))
-            done = subprocess.run(cmd, capture_output=not verbose, text=True)
-            if done.returncode != 0:  # TF's headers warn a lot: show the output only on failure
-                raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n"
-                                             f"{done.stderr or ''}")
-
-        def compile_one(pair):
-            src, obj = pair
-            compiler = nvcc if src.suffix == ".cu" else ["g++", *cflags]
-            run([*compiler, "-c", str(src), "-o", str(obj)])
-
-        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(compile_one, zip(sources, objects)))
-        run(["g++", "-shared", "-o", str(output), *map(str, objects), *ldflags])
+    cflags = ["-Wno-deprecated-declarations", "-Wno-interference-size",
+              *tf.sysconfig.get_compile_flags(), "-std=c++17",
+              *(["-DGOOGLE_CUDA=1"] if cuda else [])]
+    _sources.build_library(output, _sources.tensorflow_sources(cuda=cuda), cflags,
+                           tf.sysconfig.get_link_flags(), cuda, verbose)
 
 
 def _jit_library() -> Path:
@@ -90,18 +50,10 @@ def _jit_library() -> Path:
     import tensorflow as tf
 
     cuda, _ = cuda_build()
-    digest = hashlib.sha256(f"{tf.__version__} cuda={cuda}".encode())
-    for src in sorted(_sources.tensorflow_sources(cuda=cuda) +
-                      [*_sources.ROOT.glob("csrc/*.h"), *_sources.ROOT.glob("csrc/*.cuh"),
-                       *_sources.ROOT.glob("backends/tensorflow/*.h")]):
-        digest.update(src.read_bytes())
-    cache = Path(os.environ.get("FUSEDLAYERS_CACHE", Path.home() / ".cache" / "fusedlayers"))
-    path = cache / f"tf_ops_{digest.hexdigest()[:16]}.so"
-    if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        build(tmp, verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1", cuda=cuda)
-        tmp.replace(path)  # atomic: a concurrent process sees a whole library or none
-    return path
+    verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
+    return _sources.jit_library("tf_ops", f"{tf.__version__} cuda={cuda}",
+                                _sources.tensorflow_sources(cuda=cuda),
+                                lambda path: build(path, verbose, cuda))
 
 
 def load():

@@ -11,7 +11,7 @@ module, which a reload needs anyway to load the op library, registers them).
 import numpy as np
 import tensorflow as tf
 
-from .._sources import NotBuiltError
+from ..errors import NotBuiltError
 from . import _library
 
 try:
@@ -50,6 +50,35 @@ def prepare(op: str, **tensors) -> list[tf.Tensor]:
 def _in_xla_context(graph) -> bool:
     from tensorflow.python.ops import control_flow_util
     return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def float32_attr(op: str, name: str, value: float) -> float:
+    """value for a float32 op attribute: TF would round a finite value past float32's range to
+    inf, so csrc would not see what the caller passed; the rest is csrc's to check."""
+    if not (0 <= value <= FLOAT32_MAX):  # NaN fails too
+        raise invalid(f"fusedlayers.{op}: {name} must be finite and >= 0 as a float32 (the op "
+                      f"attribute's type), got {value}")
+    return value
+
+
+def stat_dtype(x: tf.Tensor) -> tf.DType:
+    """The norms' statistics dtype for x (csrc/norm.h), the ops' attribute U."""
+    return tf.float64 if x.dtype == tf.float64 else tf.float32
+
+
+def trailing_shape(op: str, x: tf.Tensor, k: int) -> list:
+    """The static sizes of x's last k dims, as normalized_shape (Keras layers know them)."""
+    dims = x.shape[x.shape.rank - k:] if x.shape.rank is not None and x.shape.rank >= k else None
+    if dims is None or any(d is None for d in dims):
+        raise invalid(f"fusedlayers.{op}: the last {k} dimension(s) of x must have static sizes, "
+                      f"got x of shape {x.shape}")
+    return [int(d) for d in dims]
+
+
+def random(shape, dtype: tf.DType, seed: int = 0) -> tf.Tensor:
+    """Normal random values of `shape` rounded to dtype (the bench's inputs)."""
+    values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    return tf.constant(values, dtype=dtype)
 
 
 def register_gradient(op_type: str):

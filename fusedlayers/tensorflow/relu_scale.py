@@ -5,7 +5,10 @@ arguments (InvalidArgumentError)."""
 import tensorflow as tf
 
 from .. import _args
+from ..bench.case import Case, memory_work
 from . import _op
+
+__all__ = ["relu_scale"]
 
 
 def relu_scale(x, alpha: float) -> tf.Tensor:
@@ -15,6 +18,14 @@ def relu_scale(x, alpha: float) -> tf.Tensor:
     (x,) = _op.prepare("relu_scale", x=x)
     alpha = _args.real("fusedlayers.relu_scale", "alpha", alpha)
     return _op.lib.fusedlayers_relu_scale(x, alpha=alpha)[0]  # [1]: the mask for the gradient
+
+
+def bench_case(shape, dtype: tf.DType) -> Case:
+    """Against tf.nn.relu times alpha."""
+    x = _op.random(shape, dtype)
+    nbytes = x.shape.num_elements() * dtype.size
+    return Case(lambda x: relu_scale(x, 0.5), lambda x: tf.nn.relu(x) * 0.5, [x],
+                memory_work(nbytes, 2 * x.shape.num_elements() // 8))
 
 
 @_op.register_gradient("FusedlayersReluScale")

@@ -8,7 +8,8 @@ import os
 import torch
 
 from .. import _sources
-from .._sources import BUILD_COMMAND, NotBuiltError
+from .._sources import BUILD_COMMAND
+from ..errors import NotBuiltError
 
 
 def _jit_build() -> None:

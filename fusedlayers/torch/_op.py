@@ -4,7 +4,7 @@ naming the command that builds it), operator handles, fake-kernel registration a
 
 import torch
 
-from .._sources import NotBuiltError
+from ..errors import NotBuiltError
 from . import _library
 
 try:

@@ -3,9 +3,10 @@ place, sharing the model's Parameters (nothing is copied, so optimizer state, ti
 checkpoints stay valid).
 
 What is recognised is structure, not class names:
-- a normalization module becomes the fused module whose `fuse_candidates(module)` names it (the
-  rule lives with the fused module): every `nn.LayerNorm` becomes `LayerNorm`; every
-  `nn.RMSNorm`, and every Llama- or Gemma-style look-alike whose output matches, `RMSNorm`;
+- a module becomes the fused module whose `fuse_candidates(module)` names it: the rule lives with
+  the fused module, the `FUSED_MODULE` of an op's torch module (fusedlayers.ops): every
+  `nn.LayerNorm` becomes `LayerNorm`; every `nn.RMSNorm`, and every Llama- or Gemma-style
+  look-alike whose output matches, `RMSNorm`;
 - a linear layer whose output feeds only a GELU becomes `FusedLinearGELU` (weight (out, in), as
   nn.Linear) or `FusedConv1DGELU` (weight (in, out), as GPT-2's Conv1D), and the GELU an
   `nn.Identity`. A module is a linear layer when its only Parameters are a 2-D `weight` and a
@@ -13,7 +14,10 @@ What is recognised is structure, not class names:
   is a GELU when it holds no state and its output on a float64 probe from -100 to 100 is erf or
   tanh GELU. Who feeds whom is read from the parent module's forward, traced with torch.fx with
   every child module as a leaf: the linear layer is called once, the GELU once, on the linear
-  layer's output and nothing else;
+  layer's output and nothing else. Where torch.fx cannot trace the forward (it unpacks or
+  iterates a tensor, takes *args, ...), its source is read instead: a call
+  `self.<gelu>(self.<linear>(...))`, each of the two children named nowhere else in the forward,
+  is such a pair (the linear layer's output is a temporary that only the GELU sees);
 - a ReLU (a stateless module whose output is exactly relu's) becomes `FusedReLUScale(1.0)`,
   which saves 1 bit per element for the backward instead of the output.
 
@@ -23,17 +27,21 @@ stream is the same as without fuse(). The report of what was swapped and what wa
 why, is `model.fusedlayers_report` (printed with verbose=True).
 """
 
+import ast
+import inspect
+import textwrap
+from collections import Counter
+
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .. import ops
 from ..fuse_report import FuseReport
-from .layer_norm import LayerNorm
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
-from .rms_norm import RMSNorm
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
 # function (a wrong layout, bias or GELU form is off by far more).
@@ -43,29 +51,36 @@ _TOLERANCE_TF32 = 2e-3  # float32 matmuls on TF32 (torch.backends.cuda.matmul.al
 _PROBE_ROWS = 5
 
 
-def fuse(model: nn.Module, *, layer_norm: bool = True, linear_gelu: bool = True,
-         relu_scale: bool = True, rms_norm: bool = True, verbose: bool = False) -> nn.Module:
+def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Module:
     """Swaps, in place, every nn.LayerNorm for `LayerNorm`, every RMSNorm (nn.RMSNorm, or a
     Llama- or Gemma-style module: one `weight`, an `eps` or `variance_epsilon`, no children) for
-    `RMSNorm`, every linear layer whose output feeds
-    only a GELU for `FusedLinearGELU` / `FusedConv1DGELU` (+ nn.Identity), and every ReLU for
-    `FusedReLUScale(1.0)`, sharing the existing Parameters. Works on train() and eval() models,
-    on any device and dtype the fused ops support.
+    `RMSNorm`, every linear layer whose output feeds only a GELU for `FusedLinearGELU` /
+    `FusedConv1DGELU` (+ nn.Identity), and every ReLU for `FusedReLUScale(1.0)`, sharing the
+    existing Parameters. Works on train() and eval() models, on any device and dtype the fused
+    ops support.
 
-    Returns `model`; its `fusedlayers_report` attribute lists what was swapped and what was left,
-    and why (printed when verbose). Raises TypeError if model is not an nn.Module.
+    enabled: one keyword per op of fusedlayers.ops (layer_norm=False leaves the LayerNorms, ...);
+    every op is fused by default. Returns `model`; its `fusedlayers_report` attribute lists what
+    was swapped and what was left, and why (printed when verbose). Raises TypeError if model is
+    not an nn.Module or a keyword names no op.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusedlayers.torch.fuse: model must be a torch.nn.Module, got "
                         f"{type(model).__module__}.{type(model).__qualname__}")
+    unknown = set(enabled) - set(ops.NAMES)
+    if unknown:
+        raise TypeError(f"fusedlayers.torch.fuse: unexpected keyword(s) {sorted(unknown)}; the "
+                        f"ops are {', '.join(ops.NAMES)}")
+    wanted = {name: bool(enabled.get(name, True)) for name in ops.NAMES}
     report = FuseReport()
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.no_grad():
-        for fused_cls, wanted in ((LayerNorm, layer_norm), (RMSNorm, rms_norm)):
-            if wanted:
+        for op in ops.OPS:
+            fused_cls = getattr(ops.module(op, "torch"), "FUSED_MODULE", None)
+            if fused_cls is not None and wanted[op.name]:
                 _fuse_modules(model, report, fused_cls, fused_cls.__name__)
-        if linear_gelu or relu_scale:
-            _fuse_traced(model, report, linear_gelu, relu_scale)
+        if wanted["linear_gelu"] or wanted["relu_scale"]:
+            _fuse_traced(model, report, wanted["linear_gelu"], wanted["relu_scale"])
     model.fusedlayers_report = report
     if verbose:
         print(report)
@@ -176,7 +191,7 @@ def _mutates_input(module: nn.Module, device: torch.device, dtype: torch.dtype) 
     return bool(x[0] != -1.0)
 
 
-# ---------------------------------------------------------------- LayerNorm
+# ---------------------------------------------------------------- modules with a fuse rule
 
 def _fuse_modules(model: nn.Module, report: FuseReport, fused_cls, label: str) -> None:
     """Swaps each child for the first of fused_cls.fuse_candidates(child) that is verified."""
@@ -256,10 +271,18 @@ def _fuse_traced(model: nn.Module, report: FuseReport, linear_gelu: bool,
         try:
             graph = _ChildrenAsLeaves().trace(parent)
         except Exception as e:
-            what = ", ".join(sorted({*gelus, *relus}))
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            report.left.append((parent_path, f"{_describe(parent)} ({what})",
-                                f"its forward cannot be traced by torch.fx ({first_line})"))
+            pairs = _nested_calls(parent) if gelus else []
+            for linear_name, act_name in pairs:
+                if act_name in gelus:
+                    _fuse_names(parent, parent_path, linear_name, act_name, gelus[act_name],
+                                None, report)
+            left = sorted({*relus, *(set(gelus) - {act for _, act in pairs})})
+            if left:
+                report.left.append((parent_path, f"{_describe(parent)} ({', '.join(left)})",
+                                    f"its forward cannot be traced by torch.fx ({first_line}), "
+                                    f"and its source does not call these as "
+                                    f"self.<gelu>(self.<linear>(...))"))
             continue
         calls = [n for n in graph.nodes if n.op == "call_module"]
         count = {}
@@ -300,14 +323,58 @@ def _join(parent_path: str, name: str) -> str:
     return f"{parent_path}.{name}" if parent_path else name
 
 
+def _nested_calls(parent: nn.Module) -> list[tuple[str, str]]:
+    """(linear, act) child names called as `self.<act>(self.<linear>(...))` in parent's forward
+    source, each of the two named nowhere else in it; [] where the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(type(parent).forward)))
+        fn = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return []
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+        return []
+    me = fn.args.args[0].arg
+
+    def child(node) -> str | None:
+        ok = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+            node.value.id == me
+        return node.attr if ok else None
+
+    named = Counter(child(n) for n in ast.walk(fn) if child(n) is not None)
+    pairs = []
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+                and isinstance(node.args[0], ast.Call)):
+            continue
+        act, linear = child(node.func), child(node.args[0].func)
+        if act and linear and named[act] == 1 and named[linear] == 1:
+            pairs.append((linear, act))
+    return pairs
+
+
 def _fuse_pair(parent: nn.Module, parent_path: str, act: torch.fx.Node, form: str,
                count: dict, report: FuseReport) -> None:
     producer = act.args[0] if len(act.args) == 1 and not act.kwargs else None
     if not (isinstance(producer, torch.fx.Node) and producer.op == "call_module"):
         return  # a GELU fed by something else than a module: nothing to fuse with
-    linear = parent.get_submodule(producer.target)
-    lin_path = _join(parent_path, producer.target)
-    what = f"{_describe(linear)} + {_describe(getattr(parent, act.target))}"
+    reason = None
+    if len(producer.users) != 1:
+        reason = f"the {producer.target} output also feeds {len(producer.users) - 1} other node(s)"
+    elif count[producer.target] != 1 or count[act.target] != 1:
+        reason = "the linear layer or the GELU is called more than once in the forward"
+    elif len(producer.args) != 1 or producer.kwargs:
+        reason = "the linear layer is called with more than one argument"
+    _fuse_names(parent, parent_path, producer.target, act.target, form, reason, report)
+
+
+def _fuse_names(parent: nn.Module, parent_path: str, linear_name: str, act_name: str, form: str,
+                reason: str | None, report: FuseReport) -> None:
+    """Swaps child linear_name + child act_name (a GELU of `form` fed only by the linear layer's
+    output) unless `reason` says why not, the linear one is no linear layer, or the probe
+    differs."""
+    linear = parent.get_submodule(linear_name)
+    lin_path = _join(parent_path, linear_name)
+    what = f"{_describe(linear)} + {_describe(parent.get_submodule(act_name))}"
     weight = linear._parameters.get("weight")
     if isinstance(weight, nn.Parameter) and weight.dim() == 2 and _has_state_hooks(linear):
         report.left.append((lin_path, what, "has hooks or parametrizations, which the fused "
@@ -316,20 +383,13 @@ def _fuse_pair(parent: nn.Module, parent_path: str, act: torch.fx.Node, form: st
     layout = _linear_layout(linear)
     if layout is None:
         return  # the GELU follows a module that is not a linear layer
-    reason = None
-    if len(producer.users) != 1:
-        reason = f"the {producer.target} output also feeds {len(producer.users) - 1} other node(s)"
-    elif count[producer.target] != 1 or count[act.target] != 1:
-        reason = "the linear layer or the GELU is called more than once in the forward"
-    elif len(producer.args) != 1 or producer.kwargs:
-        reason = "the linear layer is called with more than one argument"
     if reason:
         report.left.append((lin_path, what, reason))
         return
     fused = (FusedLinearGELU.from_linear(linear, approximate=form) if layout == "out_in"
              else FusedConv1DGELU.from_conv1d(linear, approximate=form))
     fused.train(linear.training)
-    act_module = getattr(parent, act.target)
+    act_module = parent.get_submodule(act_name)
     w = linear.weight
     x = _probe((_PROBE_ROWS, w.shape[1] if layout == "out_in" else w.shape[0]), w)
     try:
@@ -340,9 +400,9 @@ def _fuse_pair(parent: nn.Module, parent_path: str, act: torch.fx.Node, form: st
     if not ok:
         report.left.append((lin_path, what, f"probe mismatch (relative error {err:.1e})"))
         return
-    _set(parent, producer.target, fused)
-    setattr(parent, act.target, nn.Identity().train(act_module.training))
-    report.swapped.append((f"{lin_path} + {act.target}", what,
+    _set(parent, linear_name, fused)
+    _set(parent, act_name, nn.Identity().train(act_module.training))
+    report.swapped.append((f"{lin_path} + {act_name}", what,
                            f"{type(fused).__name__}(approximate={form!r}) + Identity"))
 
 

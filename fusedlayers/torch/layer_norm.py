@@ -1,17 +1,21 @@
 """LayerNorm on torch tensors: `fusedlayers::layer_norm` (backends/torch/layer_norm.cpp: schema,
 kernels, autograd, autocast), its fake kernels, the functional API and `LayerNorm`, drop-in for
-`torch.nn.LayerNorm`. The math: csrc/norm.h (NormMode::kLayer). Under torch.autocast it runs in
+`torch.nn.LayerNorm`, the unfused reference and Inductor's lowering. The math: csrc/norm.h
+(NormMode::kLayer). Under torch.autocast it runs in
 float32 on CUDA and in the input dtype on the CPU, as `torch.nn.functional.layer_norm` there;
 float64 stays float64."""
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import _args
+from ..bench.case import Case, memory_work
 from . import _op
 
+__all__ = ["LayerNorm", "layer_norm", "layer_norm_trailing"]
 layer_norm_op = _op.handle("layer_norm")
 
 
@@ -99,18 +103,96 @@ class LayerNorm(nn.Module):
                 f"memory_efficient={self.memory_efficient}")
 
 
+def reference(x: torch.Tensor, normalized_shape: int | Sequence[int],
+              weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              eps: float = 1e-5) -> torch.Tensor:
+    """The unfused computation layer_norm replaces."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+FUSED_MODULE = LayerNorm  # fuse() swaps modules by LayerNorm.fuse_candidates
+
+
 @_op.register_fake("layer_norm")
 def _(x, normalized_shape, weight, bias, eps, memory_efficient=False, rms_scaling=False):
-    _op.check_devices("layer_norm", "input", x, weight=weight, bias=bias)
+    _op.check_devices("layer_norm", "x", x, weight=weight, bias=bias)
     stat_shape = x.shape[:x.dim() - len(normalized_shape)]
     return (x.new_empty(x.shape), x.new_empty(stat_shape, dtype=_op.stat_dtype(x)),
             x.new_empty(stat_shape, dtype=_op.stat_dtype(x)))
 
+
 @_op.register_fake("layer_norm_backward")
-def _(grad_out, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=False,
+def _(dy, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=False,
       rms_scaling=False):
-    _op.check_devices("layer_norm_backward", "saved", saved, grad_out=grad_out, weight=weight,
-                   bias=bias)
+    _op.check_devices("layer_norm_backward", "saved", saved, dy=dy, weight=weight, bias=bias)
     return (saved.new_empty(saved.shape),
             saved.new_empty(0) if weight is None else weight.new_empty(weight.shape),
             saved.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+
+
+# ---------------------------------------------------------------- Inductor's lowering
+
+def _forward(x, normalized_shape, weight, bias, eps, memory_efficient=False, rms_scaling=False):
+    # The math of csrc/norm.h: statistics and output in float32 (float64 for float64),
+    # returned in the leading shape; rms_scaling=True scales x itself (Keras' rms_scaling).
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    xf = x.to(_op.stat_dtype(x))
+    var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    y = (xf if rms_scaling else xf - mean) * rstd
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    lead = x.shape[:dims[0]]
+    return y.to(x.dtype), mean.reshape(lead), rstd.reshape(lead)
+
+
+def _backward(dy, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=False,
+              rms_scaling=False):
+    # With g = dy * weight: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), or for
+    # rms_scaling=True dx = rstd * (g - x_hat * rstd * mean(g * x)) (csrc/norm.h).
+    dims = list(range(saved.dim() - len(normalized_shape), saved.dim()))
+    lead_dims = list(range(dims[0]))
+    keep = (*mean.shape, *([1] * len(dims)))
+    acc = _op.stat_dtype(saved)
+    dy, s, rstd = dy.to(acc), saved.to(acc), rstd.reshape(keep)
+    g = dy if weight is None else dy * weight
+    if memory_efficient:  # saved is the output: x_hat = (y - bias) / weight
+        x_hat = s if bias is None else s - bias
+        x_hat = x_hat if weight is None else x_hat / weight
+    else:
+        x_hat = (s - mean.reshape(keep)) * rstd
+    if not rms_scaling:
+        dx = rstd * (g - g.mean(dims, keepdim=True) - x_hat * (g * x_hat).mean(dims, keepdim=True))
+        y_hat = x_hat  # what weight multiplies
+    else:
+        dx = rstd * (g - x_hat * rstd * (g * s).mean(dims, keepdim=True))
+        y_hat = s * rstd
+    empty = saved.new_empty(0)
+    dweight = empty if weight is None else (dy * y_hat).sum(lead_dims).to(weight.dtype)
+    dbias = empty if bias is None else dy.sum(lead_dims).to(bias.dtype)
+    return dx.to(saved.dtype), dweight, dbias
+
+
+DECOMPOSITIONS = {"layer_norm": _forward, "layer_norm_backward": _backward}
+
+
+def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = False) -> Case:
+    rows, cols = shape
+    x, w, b = (torch.randn(*s, device=device, dtype=dtype, requires_grad=True)
+               for s in ((rows, cols), (cols,), (cols,)))
+    fused = lambda w, b: layer_norm(x, cols, w, b)  # noqa: E731
+    case = Case(lambda: fused(w, b), lambda: reference(x, cols, w, b), [x, w, b],
+                memory_work(x.numel() * x.element_size(), x.numel() * x.element_size()))
+    if dtype in (torch.float16, torch.bfloat16):  # mixed precision's float32 parameters
+        w32, b32 = (p.detach().float().requires_grad_() for p in (w, b))
+        case.variants["fused-w32"] = (lambda: fused(w32, b32), [w32, b32])
+    if peers and device.type == "cuda":
+        try:
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+            case.variants["liger"] = lambda: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+        except ImportError:
+            pass
+    return case

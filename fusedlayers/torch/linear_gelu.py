@@ -1,14 +1,18 @@
 """Linear + GELU on torch tensors: `fusedlayers::linear_gelu` (backends/torch/linear_gelu.cpp:
 schema, kernels, autograd, autocast), its fake kernels, the functional API and the modules
-`FusedLinearGELU` (nn.Linear's layout) and `FusedConv1DGELU` (GPT-2's Conv1D layout). The math:
-csrc/linear_gelu.h. Under torch.autocast it runs in the autocast dtype, as
+`FusedLinearGELU` (nn.Linear's layout) and `FusedConv1DGELU` (GPT-2's Conv1D layout), the unfused
+reference and Inductor's lowering. The math: csrc/linear_gelu.h. Under torch.autocast it runs in the autocast dtype, as
 `torch.nn.functional.linear`; float64 stays float64."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..bench.case import Case
 from . import _op
 
+__all__ = ["FusedConv1DGELU", "FusedLinearGELU", "dense_gelu", "linear_gelu"]
+aten = torch.ops.aten
 linear_gelu_op = _op.handle("linear_gelu")
 
 
@@ -113,22 +117,72 @@ class FusedConv1DGELU(nn.Module):
         return f"nf={self.nf}, nx={self.nx}, approximate={self.approximate!r}"
 
 
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              approximate: str = "none") -> torch.Tensor:
+    """The unfused computation linear_gelu replaces."""
+    return F.gelu(F.linear(x, weight, bias), approximate=approximate)
+
+
 @_op.register_fake("linear_gelu")
 def _(x, weight, bias, approximate):
-    _op.check_devices("linear_gelu", "input", x, weight=weight, bias=bias)
+    _op.check_devices("linear_gelu", "x", x, weight=weight, bias=bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
 
 @_op.register_fake("linear_gelu_with_pre")
 def _(x, weight, bias, approximate):
-    _op.check_devices("linear_gelu", "input", x, weight=weight, bias=bias)
+    _op.check_devices("linear_gelu", "x", x, weight=weight, bias=bias)
     shape = (*x.shape[:-1], weight.shape[0])
     return x.new_empty(shape), x.new_empty(shape)
 
+
+def _in_out(weight: torch.Tensor) -> bool:
+    """Whether weight is the transpose of a contiguous (in, out) tensor (read in place)."""
+    return not weight.is_contiguous() and weight.t().is_contiguous()
+
+
 @_op.register_fake("linear_gelu_backward")
-def _(grad_out, x, weight, pre, has_bias, approximate):
-    _op.check_devices("linear_gelu_backward", "input", x, grad_out=grad_out, weight=weight)
-    # grad_weight in weight's layout: (in, out) storage when weight is such a transpose.
-    in_out = not weight.is_contiguous() and weight.t().is_contiguous()
-    grad_weight = (weight.new_empty(weight.shape[::-1]).t() if in_out
-                   else weight.new_empty(weight.shape))
-    return (x.new_empty(x.shape), grad_weight, x.new_empty(weight.shape[0] if has_bias else 0))
+def _(dy, x, weight, pre, has_bias, approximate):
+    _op.check_devices("linear_gelu_backward", "x", x, dy=dy, weight=weight)
+    # dweight in weight's layout: (in, out) storage when weight is such a transpose.
+    dweight = (weight.new_empty(weight.shape[::-1]).t() if _in_out(weight)
+               else weight.new_empty(weight.shape))
+    return x.new_empty(x.shape), dweight, x.new_empty(weight.shape[0] if has_bias else 0)
+
+
+# ---------------------------------------------------------------- Inductor's lowering
+
+def _with_pre(x, weight, bias, approximate):
+    pre = F.linear(x, weight, bias)
+    return F.gelu(pre, approximate=approximate), pre
+
+
+def _backward(dy, x, weight, pre, has_bias, approximate):
+    dpre = aten.gelu_backward.default(dy, pre, approximate=approximate)
+    dpre = dpre.reshape(-1, dpre.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    dx = (dpre @ weight).reshape(x.shape)
+    dweight = (x2.t() @ dpre).t() if _in_out(weight) else dpre.t() @ x2
+    dbias = dpre.sum(0) if has_bias else x.new_empty(0)
+    return dx, dweight, dbias
+
+
+DECOMPOSITIONS = {"linear_gelu": reference, "linear_gelu_with_pre": _with_pre,
+                  "linear_gelu_backward": _backward}
+
+
+def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = False) -> Case:
+    m, k, n = shape
+    x, w, b = (torch.randn(*s, device=device, dtype=dtype, requires_grad=True)
+               for s in ((m, k), (n, k), (n,)))
+    flops = 2 * m * n * k
+    # The tanh form: ours, and PyTorch's own cuBLASLt GELU_BIAS epilogue (CUDA only). The bare
+    # GEMMs of the same shape (forward; with the backward, dgrad and wgrad too): the floor under
+    # any epilogue.
+    case = Case(lambda: linear_gelu(x, w, b), lambda: reference(x, w, b), [x, w, b],
+                {"fwd": flops, "fwd+bwd": 3 * flops},
+                fwd_only={"fused-tanh": lambda: linear_gelu(x, w, b, "tanh")},
+                variants={"gemm": (lambda: x @ w.t(), [w])})
+    if device.type == "cuda":
+        case.fwd_only["addmm-act"] = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    return case

@@ -1,15 +1,19 @@
 """RMSNorm on torch tensors: `fusedlayers::rms_norm` (backends/torch/rms_norm.cpp: schema,
 kernels, autograd, autocast), its fake kernels, the functional API and `RMSNorm`, drop-in for
-`torch.nn.RMSNorm`. The math: csrc/norm.h (NormMode::kRms)."""
+`torch.nn.RMSNorm`, the unfused reference and Inductor's lowering. The math: csrc/norm.h
+(NormMode::kRms)."""
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import _args
+from ..bench.case import Case, memory_work
 from . import _op
 
+__all__ = ["RMSNorm", "rms_norm"]
 rms_norm_op = _op.handle("rms_norm")
 
 
@@ -106,15 +110,85 @@ class RMSNorm(nn.Module):
                 + (", zero_centered=True" if self.zero_centered else ""))
 
 
+def reference(x: torch.Tensor, normalized_shape: int | Sequence[int],
+              weight: torch.Tensor | None = None, eps: float | None = None,
+              zero_centered: bool = False) -> torch.Tensor:
+    """The unfused computation rms_norm replaces."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    gain = weight + 1 if weight is not None and zero_centered else weight
+    return F.rms_norm(x, shape, gain, eps)
+
+
+FUSED_MODULE = RMSNorm  # fuse() swaps modules by RMSNorm.fuse_candidates
+
+
 @_op.register_fake("rms_norm")
 def _(x, normalized_shape, weight, eps, zero_centered=False):
-    _op.check_devices("rms_norm", "input", x, weight=weight)
+    _op.check_devices("rms_norm", "x", x, weight=weight)
     return (x.new_empty(x.shape),
             x.new_empty(x.shape[:x.dim() - len(normalized_shape)], dtype=_op.stat_dtype(x)))
 
 
 @_op.register_fake("rms_norm_backward")
-def _(grad_out, x, rstd, normalized_shape, weight, zero_centered=False):
-    _op.check_devices("rms_norm_backward", "input", x, grad_out=grad_out, weight=weight)
+def _(dy, x, rstd, normalized_shape, weight, zero_centered=False):
+    _op.check_devices("rms_norm_backward", "x", x, dy=dy, weight=weight)
     return (x.new_empty(x.shape),
             x.new_empty(0) if weight is None else weight.new_empty(weight.shape))
+
+
+# ---------------------------------------------------------------- Inductor's lowering
+
+def _forward(x, normalized_shape, weight, eps, zero_centered=False):
+    # csrc/norm.h, NormMode::kRms: rstd in float32 (float64 for float64), the gain 1 + weight
+    # with zero_centered (1 where weight is absent), added in that type.
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    xf = x.to(_op.stat_dtype(x))
+    rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
+    y = xf * rstd
+    if weight is not None:
+        y = y * (weight.to(xf.dtype) + 1 if zero_centered else weight)
+    return y.to(x.dtype), rstd.reshape(x.shape[:dims[0]])
+
+
+def _backward(dy, x, rstd, normalized_shape, weight, zero_centered=False):
+    # With g = dy * gain and x_hat = x * rstd: dx = rstd * (g - x_hat * mean(g * x_hat)),
+    # dweight = sum over rows of dy * x_hat (csrc/norm.h).
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    acc = _op.stat_dtype(x)
+    dy, xf = dy.to(acc), x.to(acc)
+    rstd = rstd.reshape(*rstd.shape, *([1] * len(dims)))
+    x_hat = xf * rstd
+    g = dy
+    if weight is not None:
+        g = dy * (weight.to(acc) + 1 if zero_centered else weight)
+    dx = rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))
+    dweight = (x.new_empty(0) if weight is None
+               else (dy * x_hat).sum(list(range(dims[0]))).to(weight.dtype))
+    return dx.to(x.dtype), dweight
+
+
+DECOMPOSITIONS = {"rms_norm": _forward, "rms_norm_backward": _backward}
+
+
+def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = False) -> Case:
+    rows, cols = shape
+    x, w = (torch.randn(*s, device=device, dtype=dtype, requires_grad=True)
+            for s in ((rows, cols), (cols,)))
+    fused = lambda w: rms_norm(x, cols, w, 1e-6)  # noqa: E731
+    case = Case(lambda: fused(w), lambda: reference(x, cols, w, 1e-6), [x, w],
+                memory_work(x.numel() * x.element_size(), x.numel() * x.element_size()))
+    if dtype in (torch.float16, torch.bfloat16):  # mixed precision's float32 parameters
+        w32 = w.detach().float().requires_grad_()
+        case.variants["fused-w32"] = (lambda: fused(w32), [w32])
+    if peers and device.type == "cuda":
+        try:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+            case.variants["liger"] = lambda: LigerRMSNormFunction.apply(x, w, 1e-6)
+        except ImportError:
+            pass
+        try:
+            from quack import rmsnorm
+            case.variants["quack"] = lambda: rmsnorm(x, w, 1e-6)
+        except ImportError:
+            pass
+    return case

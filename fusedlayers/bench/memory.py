@@ -1,5 +1,5 @@
 """`python -m fusedlayers bench --memory`: activation memory of one training step, unfused against
-fused, for a stack of 12 MLP blocks and for the model bench's models (fusedlayers.model_bench).
+fused, for a stack of 12 MLP blocks and for the model bench's models (fusedlayers.bench.models).
 
 Per model and variant, two measures of one step (forward, loss = mean square of the output,
 backward):
@@ -41,14 +41,13 @@ class MemoryRow:
 class _Block(nn.Module):
     def __init__(self, width: int, relu: bool, fused: bool, memory_efficient: bool, **factory):
         super().__init__()
-        from . import reference
-        from .torch import FusedLinearGELU, FusedReLUScale, LayerNorm
+        from ..torch import FusedLinearGELU, FusedReLUScale, LayerNorm, UnfusedReLUScale
         hidden = 4 * width
         self.norm = (LayerNorm(width, memory_efficient=memory_efficient, **factory) if fused
                      else nn.LayerNorm(width, **factory))
         if relu:
             self.fc1 = nn.Linear(width, hidden, **factory)
-            self.act = FusedReLUScale(0.5) if fused else reference.ReLUScale(0.5)
+            self.act = FusedReLUScale(0.5) if fused else UnfusedReLUScale(0.5)
         elif fused:
             self.fc1, self.act = FusedLinearGELU(width, hidden, **factory), nn.Identity()
         else:
@@ -97,7 +96,7 @@ def measure(model: nn.Module, inputs: dict, device: torch.device) -> tuple[float
 
 
 def _fused(model: nn.Module, memory_efficient: bool) -> nn.Module:
-    from .torch import LayerNorm, fuse
+    from ..torch import LayerNorm, fuse
     fused = fuse(copy.deepcopy(model))
     for m in fused.modules():
         if isinstance(m, LayerNorm):
@@ -121,8 +120,8 @@ def run(device: str = "cuda", models=("mlp", "bert-base", "vit-base", "gpt2"),
             variants = {v: mlp_stack(width, v, dev, dtype) for v in VARIANTS}
             label = f"mlp x{BLOCKS} (d={width}, {tokens[0]}x{tokens[1]} tokens)"
         else:
-            from . import model_bench
-            base, make_inputs = model_bench.build(name, tiny=not on_cuda)
+            from . import models
+            base, make_inputs = models.build(name, tiny=not on_cuda)
             base = base.to(dev, dtype).train()
             batch = 8
             inputs = make_inputs(batch, dev, dtype)

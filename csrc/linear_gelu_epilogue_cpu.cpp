@@ -6,7 +6,7 @@
 // exp by Cody-Waite reduction and a minimax polynomial (relative error ~1e-7), erfc as
 // e^{-z^2} times the fit of gelu.h (relative error ~3e-7 in float), so GELU keeps fp32 relative
 // accuracy also deep in its negative tail. double rows use libm.
-#include "bias_gelu.h"
+#include "linear_gelu_epilogue.h"
 
 #include <algorithm>
 #include <cmath>
@@ -52,8 +52,8 @@ FUSEDLAYERS_INLINE float exp_approx(float x) {
 
 // erfc(z) e^{z^2} / 2 for z = |u| / sqrt 2: the fit of gelu.h, halved (exactly: a power of two).
 // Horner's scheme: the loop is bound by the multiply-add ports, not by latency (16 elements per
-// vector, iterations overlap), and Horner takes the fewest multiplies (measured: 8% faster than
-// Estrin's scheme here). e^{-z^2} stays outside, so GELU's gradient shares one exp between Phi
+// vector, iterations overlap), and Horner takes the fewest multiplies (docs/DESIGN.md, "CPU
+// loops"). e^{-z^2} stays outside, so GELU's gradient shares one exp between Phi
 // and the pdf.
 FUSEDLAYERS_INLINE float half_erfcx_of_abs(float u) {
   using namespace gelu;
@@ -131,7 +131,7 @@ FUSEDLAYERS_INLINE A round_to(A v) {
 // per-row loop overhead; the approximation, bias and pre are loop invariants, each combination
 // its own vectorized loop.
 template <typename T, typename A>
-FUSEDLAYERS_CPU_CLONES void bias_gelu_rows(const T* h, const A* bias, T* pre, T* y, int64_t rows,
+FUSEDLAYERS_CPU_CLONES void linear_gelu_epilogue_rows(const T* h, const A* bias, T* pre, T* y, int64_t rows,
                                            int64_t cols, GeluApprox approx) {
   if (!bias) {
     cols *= rows;
@@ -194,10 +194,10 @@ int64_t block_rows(int64_t cols) { return std::max<int64_t>(1, 8192 / cols); }
 
 }  // namespace
 
-void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, int64_t rows,
+void linear_gelu_epilogue_forward_cpu(const void* h, const void* bias, void* pre, void* y, int64_t rows,
                            int64_t cols, GeluApprox approx, DType dtype,
                            const ParallelFor& parallel_for) {
-  check_sizes("bias_gelu", rows, cols);
+  check_sizes("linear_gelu_epilogue", rows, cols);
   if (rows == 0 || cols == 0) return;
   cpu::dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -219,27 +219,27 @@ void bias_gelu_forward_cpu(const void* h, const void* bias, void* pre, void* y, 
           cpu::load(hp + off, v, n * cols);
           if (b) add_bias_rounded<T>(v, b, n, cols);
           if (pp != yp) cpu::store(v, pp + off, n * cols);  // else pre is y's memory
-          bias_gelu_rows(v, static_cast<const A*>(nullptr), v, v, n, cols, approx);
+          linear_gelu_epilogue_rows(v, static_cast<const A*>(nullptr), v, v, n, cols, approx);
           cpu::store(v, yp + off, n * cols);
         } else {
-          bias_gelu_rows(hp + off, b, pp + off, yp + off, n, cols, approx);
+          linear_gelu_epilogue_rows(hp + off, b, pp + off, yp + off, n, cols, approx);
         }
       }
     });
   });
 }
 
-size_t bias_gelu_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
-  check_sizes("bias_gelu_backward", rows, cols);
+size_t linear_gelu_epilogue_backward_workspace_size_cpu(int64_t rows, int64_t cols, DType dtype) {
+  check_sizes("linear_gelu_epilogue_backward", rows, cols);
   const size_t acc_bytes = dtype == DType::kFloat64 ? 8 : 4;
   return static_cast<size_t>(cpu::num_chunks(rows, cols)) * static_cast<size_t>(cols) * acc_bytes;
 }
 
-void bias_gelu_backward_cpu(const void* dy, const void* pre, void* dpre, void* dbias,
+void linear_gelu_epilogue_backward_cpu(const void* dy, const void* pre, void* dpre, void* dbias,
                             void* workspace, int64_t rows, int64_t cols, GeluApprox approx,
                             DType dtype, const ParallelFor& parallel_for) {
-  check_sizes("bias_gelu_backward", rows, cols);
-  if (dbias && !workspace) fail("bias_gelu_backward: workspace is null");
+  check_sizes("linear_gelu_epilogue_backward", rows, cols);
+  if (dbias && !workspace) fail("linear_gelu_epilogue_backward: workspace is null");
   if (cols == 0) return;
   cpu::dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -1,4 +1,4 @@
-// CUDA bias + GELU epilogue (math: bias_gelu.h). Phi(u) comes from e^{-u^2/2} times the scaled
+// CUDA bias + GELU epilogue (math: linear_gelu_epilogue.h). Phi(u) comes from e^{-u^2/2} times the scaled
 // erfc fit of gelu.h (relative error ~2e-7 in both tails), so the erf gradient's Phi
 // and pdf share one exponential; the tanh form is written as a sigmoid, 1 / (1 + e^{-2z}), to
 // avoid cancellation. The pass must run at memory speed, which leaves ~35 FP32 instructions per
@@ -6,7 +6,7 @@
 // 2 + 1.2 |x| ulp, ~3e-6 relative at the tail's |x| ~ 40, against the test's 2e-5).
 #include <algorithm>
 
-#include "bias_gelu.h"
+#include "linear_gelu_epilogue.h"
 #include "cuda_common.cuh"
 
 namespace fusedlayers {
@@ -185,7 +185,7 @@ template <typename Fn>
 void dispatch_half_float(DType dtype, Fn&& fn) {
   cuda::dispatch(dtype, [&](auto t) {
     if constexpr (std::is_same_v<decltype(t), double>) {
-      fail("bias_gelu: float64 is not supported on CUDA");
+      fail("linear_gelu_epilogue: float64 is not supported on CUDA");
     } else {
       fn(t);
     }
@@ -194,9 +194,9 @@ void dispatch_half_float(DType dtype, Fn&& fn) {
 
 }  // namespace
 
-void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y, int64_t rows,
+void linear_gelu_epilogue_forward_cuda(const void* h, const void* bias, void* pre, void* y, int64_t rows,
                             int64_t cols, GeluApprox approx, DType dtype, cudaStream_t stream) {
-  check_args("bias_gelu", rows, cols, dtype);
+  check_args("linear_gelu_epilogue", rows, cols, dtype);
   const int64_t n = rows * cols;
   if (n == 0) return;
   dispatch_half_float(dtype, [&](auto t) {
@@ -217,12 +217,12 @@ void bias_gelu_forward_cuda(const void* h, const void* bias, void* pre, void* y,
       std::apply([&](auto... a) { forward_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(a...); },
                  args);
     }
-    cuda::check_launch("bias_gelu forward_kernel");
+    cuda::check_launch("linear_gelu_epilogue forward_kernel");
   });
 }
 
-size_t bias_gelu_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
-  check_args("bias_gelu_backward", rows, cols, dtype);
+size_t linear_gelu_epilogue_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType dtype) {
+  check_args("linear_gelu_epilogue_backward", rows, cols, dtype);
   if (cols == 0) return 0;  // nothing to reduce (and num_slabs would divide by zero blocks)
   int64_t slabs = 0;
   dispatch_half_float(dtype, [&](auto t) {  // enough for either launch: 16-byte vectors or not
@@ -232,12 +232,12 @@ size_t bias_gelu_backward_workspace_size_cuda(int64_t rows, int64_t cols, DType 
   return size_t(slabs) * size_t(cols) * sizeof(A);
 }
 
-void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* dbias,
+void linear_gelu_epilogue_backward_cuda(const void* dy, const void* pre, void* dpre, void* dbias,
                              void* workspace, int64_t rows, int64_t cols, GeluApprox approx,
                              DType dtype, cudaStream_t stream) {
-  check_args("bias_gelu_backward", rows, cols, dtype);
+  check_args("linear_gelu_epilogue_backward", rows, cols, dtype);
   if (cols == 0) return;
-  if (dbias && !workspace) fail("bias_gelu_backward: workspace is null");
+  if (dbias && !workspace) fail("linear_gelu_epilogue_backward: workspace is null");
   dispatch_half_float(dtype, [&](auto t) {
     using T = decltype(t);
     constexpr int kVec = 16 / sizeof(T);
@@ -256,11 +256,11 @@ void bias_gelu_backward_cuda(const void* dy, const void* pre, void* dpre, void* 
     };
     const int64_t slabs = vec ? launch(std::integral_constant<int, kVec>{})
                               : launch(std::integral_constant<int, 1>{});
-    cuda::check_launch("bias_gelu backward_kernel");
+    cuda::check_launch("linear_gelu_epilogue backward_kernel");
     if (!dbias) return;
     reduce_slabs_kernel<T><<<(cols + 31) / 32, dim3(32, 32), 0, stream>>>(
         partial, slabs, cols, static_cast<T*>(dbias));
-    cuda::check_launch("bias_gelu reduce_slabs_kernel");
+    cuda::check_launch("linear_gelu_epilogue reduce_slabs_kernel");
   });
 }
 

@@ -127,9 +127,8 @@ class _Variant:
         if self.device.type != "cuda":
             return None, None
         # Kineto leaves CUPTI's callbacks installed after a session unless told to tear it down,
-        # which slows every later CUDA call in the process (measured: the next case's fused
-        # BERT step 25 -> 32 ms, the unfused one 26 -> 28 ms): the cases timed after this one
-        # must not pay for it.
+        # which slows every later CUDA call in the process: the cases timed after this one must
+        # not pay for it.
         os.environ["TEARDOWN_CUPTI"] = "1"
         from torch.profiler import ProfilerActivity, profile
         _sync(self.device)
@@ -170,7 +169,7 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
         tiny: bool = False, log=print, distributed: bool = False) -> list[ModelRow]:
     """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
     `distributed`: under an initialized torch.distributed process group, each model in DDP."""
-    from .torch import fuse
+    from ..torch import fuse
     unknown = set(precisions) - {"autocast", "bf16", "fp32"} | set(modes) - {"eager", "compile"}
     if unknown:
         raise ValueError(f"bench --model: precisions must be among autocast, bf16, fp32 and modes "

@@ -1,0 +1,109 @@
+"""`python -m fusedlayers bench --framework jax`: each op of fusedlayers.jax against XLA's own
+computation of it (flax's layers where flax imports, else the same math in jax.numpy), as each
+op's JAX module builds them (`bench_case`), forward and forward + backward, on the device JAX
+runs on.
+
+Device time per call: each variant runs `iters` times inside one jitted lax.fori_loop, so host
+dispatch is amortised, and its carry holds every output of the last call (XLA drops outputs
+nobody reads); the input of each call passes through an optimization barrier with the loop
+index, so XLA cannot hoist the loop-invariant call out of the loop. The median over `reps`
+runs of the loop, divided by `iters`. A negation of x (a copy XLA cannot elide), timed the same
+way, is the ceiling of the memory-bound ops and, at each shape, their floor.
+"""
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from .. import ops
+from .table import Row, row, shape_name, shapes
+
+
+def _looped(fn, inputs, iters: int):
+    """A jitted function of the inputs (arguments, not captured constants) running fn iters
+    times and returning the last call's outputs."""
+    def loop(*inputs):
+        def body(i, carry):
+            args = jax.lax.optimization_barrier((inputs, i))[0]
+            return fn(*args)
+
+        first = jax.eval_shape(fn, *inputs)
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+        return jax.lax.fori_loop(0, iters, body, zeros)
+
+    jitted = jax.jit(loop)
+    return lambda: jitted(*inputs)
+
+
+def _fwd_bwd(fn, n_inputs: int):
+    """fn and its vjp for a cotangent dy given as the last argument: a random array, not a
+    constant XLA could fold into the backward."""
+    def run(*args):
+        y, vjp = jax.vjp(fn, *args[:n_inputs])
+        return y, vjp(args[n_inputs])
+    return run
+
+
+def median_ms(fn, inputs, reps: int, iters: int) -> float:
+    loop = _looped(fn, inputs, iters)
+    jax.block_until_ready(loop())  # compile and warm up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop())
+        times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(reps: int, iters: int) -> float:
+    n = 1 << 28 if jax.default_backend() == "gpu" else 1 << 25
+    x = jnp.ones((n,), jnp.float32)
+    ms = median_ms(jnp.negative, [x], reps, iters)  # one read, one write (a copy XLA elides)
+    return 2 * x.nbytes / ms / 1e6
+
+
+def gemm_tflops(dtype, reps: int, iters: int) -> float:
+    n = 8192 if jax.default_backend() == "gpu" else 1024
+    a = jnp.ones((n, n), dtype)
+    ms = median_ms(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32).astype(dtype),
+                   [a], reps, iters)
+    return 2 * n ** 3 / ms / 1e9
+
+
+def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = 10,
+        op_names=ops.NAMES, iters: int | None = None) -> tuple[list[Row], dict]:
+    """Rows "jax-fused", "jax-xla" (and "jax-copy" for the memory-bound forwards) of every op,
+    shape, dtype and pass, and the ceilings measured for them."""
+    unknown = set(op_names) - set(ops.NAMES)
+    if unknown:
+        raise ValueError(f"bench: ops must be among {ops.NAMES}, got {sorted(unknown)}")
+    gpu = jax.default_backend() == "gpu"
+    iters = iters or (50 if gpu else 3)
+    device = "cuda" if gpu else "cpu"
+    ceilings = {"copy_gbs": copy_bandwidth_gbs(reps, iters)}
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(jnp, dtype_name)
+        ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dtype, reps, iters)
+        for op in ops.OPS:
+            if op.name not in op_names:
+                continue
+            for shape in shapes(device, quick)[op.name]:
+                case = ops.module(op, "jax").bench_case(shape, dtype)
+                for pass_ in ("fwd", "fwd+bwd"):
+                    impls = {"jax-fused": case.fused, "jax-xla": case.eager}
+                    if op.bench_unit == "GB/s" and pass_ == "fwd":
+                        impls["jax-copy"] = lambda x, *_: -x  # same bytes as the forward
+                    dy = jax.random.normal(jax.random.key(1),
+                                           jax.eval_shape(case.fused, *case.inputs).shape, dtype)
+                    for impl, fn in impls.items():
+                        if pass_ == "fwd":
+                            ms = median_ms(fn, case.inputs, reps, iters)
+                        else:
+                            ms = median_ms(_fwd_bwd(fn, len(case.inputs)), [*case.inputs, dy],
+                                           reps, iters)
+                        rows.append(row(op, shape_name(shape), dtype_name, pass_, impl, ms,
+                                         case.work[pass_], ceilings))
+    return rows, ceilings

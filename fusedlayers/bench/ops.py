@@ -1,0 +1,211 @@
+"""`python -m fusedlayers bench`: fused vs unfused eager vs torch.compile(unfused), per op, shape,
+dtype and pass, with the device's own ceilings measured in the same run. The ops, their shapes
+and units come from the op table (fusedlayers.ops); each op's torch module builds its case
+(`bench_case`: the fused call, the unfused one, the work done, more variants).
+
+Memory-bound ops (the table's "GB/s" ops) report GB/s over the fewest bytes the op must move
+(each input read once, each output written once; for the backward, what it must keep from the
+forward: layer_norm's input, relu_scale's sign bits) and the percentage of the measured copy
+bandwidth (bytes read + written by a large tensor copy); their forward also gets a "copy" row, a
+copy of the input moving the same bytes, which is the floor at that size (a small op pays launch
+and tail costs that the large copy amortizes); under half dtypes a "fused-w32" row runs the
+same op with float32 parameters (mixed precision's layout). GEMM-bound ops (linear_gelu) report TFLOP/s over
+2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of the measured
+GEMM rate of the same dtype, with a "gemm" row: the bare GEMMs of the same shape, the floor
+under any epilogue. Times are medians. On CUDA each variant is captured once in a CUDA
+graph and its replays are timed with CUDA events (triton.testing.do_bench when present), so the
+numbers are the kernels' and not Python's launch overhead; a variant that cannot be captured is
+timed directly. On the CPU: the wall clock around synchronous calls.
+
+With peers (`--peers`, CUDA), other libraries' kernels for the same call join the rows where
+they import: Liger-Kernel's Triton LayerNorm and RMSNorm (liger_kernel.ops, its defaults:
+RMSNorm's "llama" casting, backward in place), and QuACK's RMSNorm (`quack.rmsnorm`).
+"""
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from .table import Row, row, shape_name, shapes
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream), or fn if capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return fn
+    return graph.replay
+
+
+def _median_ms(fn, device: torch.device, reps: int, graph: bool = True) -> float:
+    if device.type == "cuda":
+        fn = _graphed(fn) if graph else fn
+        try:
+            from triton.testing import do_bench
+            return do_bench(fn, warmup=25, rep=100, return_mode="median")
+        except ImportError:
+            pass
+        fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# Untimed rounds first on the CPU: until glibc's malloc has raised its mmap threshold past an
+# output's size, each call's output is fresh memory, page-faulted in on first touch, for the
+# first few calls of either implementation, which a median of interleaved calls did not always
+# hide.
+CPU_WARMUP_ROUNDS = 8
+
+
+def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
+    """The median ms of each of fns, by name. On the CPU they run interleaved, one call of each
+    per round, so a host whose speed drifts (shared cores, clock changes) slows every variant
+    alike instead of whichever ran during a slow spell."""
+    if device.type == "cuda":
+        # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
+        return {name: _median_ms(fn, device, reps, graph=name != "copy")
+                for name, fn in fns.items()}
+    for _ in range(CPU_WARMUP_ROUNDS):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def copy_bandwidth_gbs(device: torch.device, reps: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of a large tensor."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 25)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    # Not graphed: a captured copy_ becomes a memcpy node that runs slower than the copy kernel.
+    ms = _median_ms(lambda: dst.copy_(src), device, reps, graph=False)
+    return 2 * src.nbytes / ms / 1e6
+
+
+def gemm_tflops(device: torch.device, dtype: torch.dtype, reps: int) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = _median_ms(lambda: a @ b, device, reps)
+    return 2 * n**3 / ms / 1e9
+
+
+def _fwd_bwd(fn, inputs):
+    grad = torch.randn_like(fn())  # made once: the timed region is forward + backward only
+
+    def run():
+        torch.autograd.grad(fn(), inputs, grad)
+    return run
+
+
+OPS = ops.NAMES
+
+
+def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
+        compile: bool = True, reps: int = 20, op_names=OPS,
+        peers: bool = False, tensorflow: bool = True) -> tuple[list[Row], dict]:
+    """Rows of every op, shape, dtype, pass and variant, and the ceilings measured for them. On
+    the CPU, with `tensorflow` and the op library loadable, TensorFlow's rows follow each dtype's
+    torch rows (fusedlayers.bench_tf)."""
+    unknown = set(op_names) - set(OPS)
+    if unknown:
+        raise ValueError(f"bench: ops must be among {OPS}, got {sorted(unknown)}")
+    dev = torch.device(device)
+    ceilings = {"copy_gbs": copy_bandwidth_gbs(dev, reps)}
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dev, dtype, reps)
+        for op in ops.OPS:
+            if op.name not in op_names:
+                continue
+            for shape in shapes(dev.type, quick)[op.name]:
+                case = ops.module(op, "torch").bench_case(shape, dtype, dev, peers)
+                rows += _case_rows(op, shape_name(shape), dtype_name, case, dev, compile, reps,
+                                   ceilings)
+        if tensorflow and dev.type == "cpu" and _tensorflow_usable():
+            rows += _tensorflow_rows(quick, dtype_name, op_names, reps, ceilings)
+    return rows, ceilings
+
+
+def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile: bool,
+               reps: int, ceilings: dict) -> list:
+    rows = []
+    for pass_ in ("fwd", "fwd+bwd"):
+        impls = {"fused": case.fused, "eager": case.eager, **case.variants,
+                 **(case.fwd_only if pass_ == "fwd" else {})}
+        if compile:  # a fresh compile per case and pass: no recompile-limit fallbacks
+            torch._dynamo.reset()
+            impls["compile"] = torch.compile(case.eager)
+        if op.bench_unit == "GB/s" and pass_ == "fwd":
+            impls["copy"] = case.inputs[0].clone  # same bytes as the forward: the floor
+        timed = {}
+        for impl, fn in impls.items():
+            fn, leaves = fn if isinstance(fn, tuple) else (fn, case.inputs[1:])
+            timed[impl] = fn if pass_ == "fwd" else _fwd_bwd(fn, [case.inputs[0], *leaves])
+            if pass_ == "fwd":
+                timed[impl] = torch.no_grad()(timed[impl])
+        for impl, ms in _median_ms_each(timed, dev, reps).items():
+            rows.append(row(op, shape, dtype_name, pass_, impl, ms, case.work[pass_],
+                             ceilings))
+    return rows
+
+
+def _tensorflow_usable() -> bool:
+    try:
+        from ..tensorflow import _op
+    except ImportError:
+        return False
+    return _op.LOAD_ERROR is None
+
+
+def _tensorflow_rows(quick: bool, dtype_name: str, op_names, reps: int, ceilings: dict) -> list:
+    """The same ops in TensorFlow on the CPU (fusedlayers.bench.tensorflow_ops), as "tf-fused"
+    and "tf-eager" rows, timed interleaved like the torch ones."""
+    from . import tensorflow_ops
+    sizes = shapes("cpu", quick)
+    rows = []
+    for op in ops.OPS:
+        if op.name not in op_names:
+            continue
+        for shape in sizes[op.name]:
+            work, impls = tensorflow_ops.case(op, shape, dtype_name)
+            for pass_ in ("fwd", "fwd+bwd"):
+                timed = {impl: passes[pass_] for impl, passes in impls.items()}
+                for impl, ms in _median_ms_each(timed, torch.device("cpu"), reps).items():
+                    rows.append(row(op, shape_name(shape), dtype_name, pass_, impl, ms,
+                                     work[pass_], ceilings))
+    return rows
+
+

@@ -1,0 +1,85 @@
+"""The bench's rows, shapes and outputs, shared by its torch, TensorFlow and JAX runs: a timing
+as a Row (GB/s or TFLOP/s against the measured ceilings, by the op table's unit), the shapes the
+op table gives a device, and the table, JSON and plot of the rows. Imports no framework."""
+
+import json
+from dataclasses import asdict, dataclass
+
+from .. import ops
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    pass_: str
+    impl: str
+    ms: float
+    rate: float  # GB/s or TFLOP/s
+    unit: str
+    pct_of_peak: float
+
+
+def shapes(device_type: str, quick: bool) -> dict:
+    """The shapes each op is timed at on a device of `device_type` ("cpu", "cuda"), by op: (rows, cols), or a GEMM's (m, k, n)."""
+    return {op.name: list(op.bench_shapes[device_type][:1 if quick else None]) for op in ops.OPS}
+
+
+def shape_name(shape) -> str:
+    """(rows, cols) as "RxC", a GEMM's (m, k, n) as "(mxk)x(kxn)"."""
+    if len(shape) == 3:
+        m, k, n = shape
+        return f"({m}x{k})x({k}x{n})"
+    return "x".join(map(str, shape))
+
+
+def row(op, shape: str, dtype_name: str, pass_: str, impl: str, ms: float, work: float,
+         ceilings: dict) -> Row:
+    """A timing as a Row: TFLOP/s of the flops, or GB/s of the bytes, the op's case counts."""
+    if op.bench_unit == "TFLOP/s":
+        rate, peak = work / ms / 1e9, ceilings[f"gemm_tflops_{dtype_name}"]
+    else:
+        rate, peak = work / ms / 1e6, ceilings["copy_gbs"]
+    return Row(op.name, shape, dtype_name, pass_, impl, ms, rate, op.bench_unit,
+               100 * rate / peak)
+
+
+def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
+    lines = [f"device: {device_name}",
+             "ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()),
+             f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<9}"
+             f"{'ms':>10}{'rate':>12}{'unit':>9}{'% peak':>8}"]
+    for r in rows:
+        lines.append(f"{r.op:<12}{r.shape:<24}{r.dtype:<10}{r.pass_:<9}{r.impl:<9}"
+                     f"{r.ms:>10.4f}{r.rate:>12.1f}{r.unit:>9}{r.pct_of_peak:>7.1f}%")
+    return "\n".join(lines)
+
+
+def write_json(path: str, rows: list[Row], ceilings: dict, device_name: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": device_name, "ceilings": ceilings,
+                   "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def plot(path: str, rows: list[Row], device_name: str) -> None:
+    """One bar group per (op, shape, dtype, pass): % of the device ceiling for each impl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r.op, r.shape, r.dtype, r.pass_) for r in rows))
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    pct = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r.pct_of_peak for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 0.4 * len(keys)), 7))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        ax.bar([k + i * width for k in range(len(keys))],
+               [pct.get((*key, impl), 0) for key in keys], width, label=impl)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
+    ax.set_xticklabels([" ".join(k) for k in keys], rotation=75, fontsize=7)
+    ax.set_ylabel("% of measured copy bandwidth / GEMM rate")
+    ax.set_title(f"fusedlayers bench on {device_name}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,35 @@
+"""The TensorFlow cases of `python -m fusedlayers bench` on the CPU: each op of
+fusedlayers.tensorflow against the unfused TensorFlow / Keras ops a Keras model would run
+instead, as each op's TensorFlow module builds them (`bench_case`), on the torch cases' shapes.
+Both run inside tf.function, as Keras' fit runs them; forward and forward + backward (a
+GradientTape over every input)."""
+
+import tensorflow as tf
+
+from .. import ops
+
+
+def _fwd_bwd(fn, inputs):
+    """fn and its gradients with respect to every input, for a fixed random output gradient."""
+    grad = tf.random.normal(fn(*inputs).shape, dtype=inputs[0].dtype)
+
+    def run(*args):
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            y = fn(*args)
+        return tape.gradient(y, args, output_gradients=grad)
+    return run
+
+
+def case(op: ops.Op, shape, dtype_name: str) -> tuple[dict, dict]:
+    """(work by pass, {impl: {pass: fn}}) of op at shape: "tf-fused" and "tf-eager"."""
+    c = ops.module(op, "tensorflow").bench_case(shape, getattr(tf, dtype_name))
+    impls = {}
+    for impl, fn in (("tf-fused", c.fused), ("tf-eager", c.eager)):
+        # No Python control flow to convert: AutoGraph would only warn that it cannot parse
+        # two lambdas on one line.
+        fwd = tf.function(fn, autograph=False)
+        fwd_bwd = tf.function(_fwd_bwd(fn, c.inputs), autograph=False)
+        impls[impl] = {"fwd": lambda f=fwd: f(*c.inputs),
+                       "fwd+bwd": lambda f=fwd_bwd: f(*c.inputs)}
+    return c.work, impls

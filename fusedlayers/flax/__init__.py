@@ -1,0 +1,6 @@
+"""fusedlayers for Flax: NNX modules drop-in for flax.nnx's (same constructor arguments,
+defaults and parameters), on fusedlayers.jax's ops, for the ops that have one (fusedlayers.ops)."""
+
+from .. import ops as _ops
+
+__all__ = _ops.export(__name__, globals(), "flax", optional=True)

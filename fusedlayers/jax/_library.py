@@ -1,0 +1,91 @@
+"""Builds and loads the JAX library `fusedlayers/_jax_ops.so`: the csrc kernels and the XLA FFI
+handlers of backends/xla, compiled against jaxlib's own FFI headers (jax.ffi.include_dir(), whose
+API version is jaxlib's), and registers each handler with XLA as the custom-call target
+fusedlayers_<op>_<pass> of its platform. setup.py calls build(); with FUSEDLAYERS_JIT=1, load()
+builds into a cache on first use.
+
+With CUDA (a jax CUDA plugin and nvcc, or FORCE_CUDA=1) the csrc CUDA kernels and the CUDA
+handlers are compiled in; their CUDA runtime is linked statically, its symbols private, as in the
+TensorFlow op library.
+"""
+
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+
+from .. import _sources, ops
+from .._sources import BUILD_COMMAND
+from ..errors import NotBuiltError
+
+LIBRARY = Path(__file__).resolve().parent.parent / "_jax_ops.so"
+PASSES = ("forward", "backward")
+PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # symbol suffix -> XLA platform
+
+
+def cuda_build(env=os.environ) -> tuple[bool, str]:
+    """Whether build() compiles the CUDA kernels in, and why (one line)."""
+    plugin = next((p for p in ("jax_cuda13_plugin", "jax_cuda12_plugin")
+                   if importlib.util.find_spec(p) is not None), None)
+    version = plugin.removeprefix("jax_cuda").removesuffix("_plugin") if plugin else None
+    return _sources.use_cuda("jax", version, _sources.find_cuda_home(env), env)
+
+
+def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None:
+    """Compiles the sources (in parallel) and links the library at `output`; with the CUDA
+    kernels and handlers when `cuda` (default: cuda_build())."""
+    import jax
+
+    if cuda is None:
+        cuda, why = cuda_build()
+        print(f"fusedlayers: {'building' if cuda else 'not building'} the JAX CUDA handlers "
+              f"({why})")
+    _sources.build_library(output, _sources.binding_sources("xla", cuda=cuda),
+                           [f"-I{jax.ffi.include_dir()}", "-std=c++17"], [], cuda, verbose)
+
+
+def _jit_library() -> Path:
+    import jax
+
+    cuda, _ = cuda_build()
+    verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
+    return _sources.jit_library("jax_ops", f"{jax.__version__} cuda={cuda}",
+                                _sources.binding_sources("xla", cuda=cuda),
+                                lambda path: build(path, verbose, cuda))
+
+
+def load() -> ctypes.CDLL:
+    """Loads the library and registers its handlers with XLA; raises NotBuiltError."""
+    import jax
+
+    if os.environ.get("FUSEDLAYERS_JIT") == "1":
+        try:
+            path = _jit_library()
+        except (OSError, NotBuiltError) as e:
+            raise NotBuiltError(
+                f"fusedlayers: the just-in-time JAX build (FUSEDLAYERS_JIT=1) failed: {e}") from e
+    else:
+        path = LIBRARY
+        if not path.exists():
+            raise NotBuiltError(
+                f"fusedlayers: the JAX library is not built ({path} is missing). Build it with "
+                f"`{BUILD_COMMAND}` with jax installed, or set FUSEDLAYERS_JIT=1 to compile it "
+                f"on first use.")
+    try:
+        lib = ctypes.CDLL(str(path))
+        size = lib.fusedlayers_xla_workspace_size
+    except (OSError, AttributeError) as e:  # AttributeError: built from other sources
+        raise NotBuiltError(f"fusedlayers: the JAX library {path} does not load ({e}). Rebuild "
+                            f"it with `{BUILD_COMMAND}`.") from e
+    size.restype = ctypes.c_size_t
+    size.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    for op in ops.NAMES:
+        for pass_ in PASSES:
+            for suffix, platform in PLATFORMS.items():
+                symbol = f"fusedlayers_xla_{op}_{pass_}_{suffix}"
+                if not hasattr(lib, symbol):  # CUDA handlers only in CUDA builds
+                    continue
+                jax.ffi.register_ffi_target(f"fusedlayers_{op}_{pass_}",
+                                            jax.ffi.pycapsule(getattr(lib, symbol)),
+                                            platform=platform)
+    return lib

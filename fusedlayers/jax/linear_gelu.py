@@ -1,0 +1,95 @@
+"""Linear + GELU on JAX arrays: XLA's own dot, then the custom call fusedlayers_linear_gelu_forward
+(backends/xla/linear_gelu.cc: csrc's bias + GELU epilogue) under jax.custom_vjp, whose backward is
+the epilogue's gradient (with dbias) and XLA's dgrad and wgrad dots. Same contract as
+fusedlayers.torch.linear_gelu. The dots run at full float32 precision (no TF32), accumulating in
+float32 for half inputs, as the torch op's GEMMs."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from .. import _args
+from ..bench.case import Case
+from . import _op
+
+__all__ = ["dense_gelu", "linear_gelu"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def linear_gelu(x, weight, bias=None, approximate: str = "none") -> jax.Array:
+    """y = gelu(x @ weight^T + bias) (Hendrycks & Gimpel 2016, arXiv:1606.08415). x:
+    (..., in_features); weight: (out_features, in_features); bias: (out_features,) or None; one
+    floating dtype. approximate: 'none' (erf) or 'tanh'. Returns (..., out_features). Raises
+    ValueError on shape/approximate mismatches and TypeError on dtypes."""
+    return _matmul_epilogue(x, weight, bias, approximate, True)
+
+
+def dense_gelu(x, kernel, bias=None, approximate: str = "none") -> jax.Array:
+    """gelu(x @ kernel + bias) with a Keras Dense kernel (in_features, out_features)."""
+    return _matmul_epilogue(x, kernel, bias, approximate, False)
+
+
+def _matmul_epilogue(x, w, bias, approximate, transpose):
+    x, w, bias = _op.prepare("linear_gelu", x=x, weight=w, bias=bias)
+    in_features, out_features = _args.linear(
+        "fusedlayers.linear_gelu", x.shape, str(x.dtype), w.shape, str(w.dtype),
+        None if bias is None else bias.shape, None if bias is None else str(bias.dtype),
+        approximate, transpose)
+    y = _linear_gelu(x.reshape(-1, in_features), w, bias, approximate, transpose)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def _dot(a, b, transpose_b=False):
+    # Accumulation in float32 (float64 for float64), rounded once to a's dtype.
+    acc = jnp.float64 if a.dtype == jnp.float64 else jnp.float32
+    return jax.lax.dot_general(a, b, (((1,), (1 if transpose_b else 0,)), ((), ())),
+                               precision=_HIGHEST, preferred_element_type=acc).astype(a.dtype)
+
+
+def _forward(x2, w, bias, approximate, transpose, with_pre):
+    h = _dot(x2, w, transpose)
+    rows_cols = _op.like(h)
+    pre = rows_cols if with_pre else jax.ShapeDtypeStruct((0,), h.dtype)
+    return _op.call("linear_gelu_forward", (pre, rows_cols), h,
+                    _op.absent(h.dtype) if bias is None else bias, has_bias=bias is not None,
+                    approximate=approximate, with_pre=with_pre)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _linear_gelu(x2, w, bias, approximate, transpose):
+    return _forward(x2, w, bias, approximate, transpose, False)[1]
+
+
+def _linear_gelu_fwd(x2, w, bias, approximate, transpose):
+    pre, y = _forward(x2, w, bias, approximate, transpose, True)
+    return y, (x2, w, pre, bias is not None)
+
+
+def _linear_gelu_bwd(approximate, transpose, saved, dy):
+    x2, w, pre, has_bias = saved
+    dbias_shape = (pre.shape[1],) if has_bias else (0,)
+    dpre, dbias, _ = _op.call("linear_gelu_backward",
+                              (_op.like(pre), jax.ShapeDtypeStruct(dbias_shape, pre.dtype),
+                               _op.workspace(_op.EPILOGUE, pre, pre.shape[1])), dy, pre,
+                              has_bias=has_bias, approximate=approximate)
+    dx = _dot(dpre, w, not transpose)  # dpre (m, out) @ W (out, in)
+    dw = _dot(dpre.T, x2) if transpose else _dot(x2.T, dpre)  # in W's layout
+    return dx, dw, dbias if has_bias else None
+
+
+_linear_gelu.defvjp(_linear_gelu_fwd, _linear_gelu_bwd)
+
+
+def bench_case(shape, dtype) -> Case:
+    """Against XLA's dot + bias + jax.nn.gelu (erf), as flax's Dense with a GELU would run."""
+    m, k, n = shape
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (m, k), dtype)
+    w = jax.random.normal(keys[1], (n, k), dtype) / k ** 0.5
+    b = jax.random.normal(keys[2], (n,), dtype)
+    flops = 2 * m * n * k
+    return Case(lambda x, w, b: linear_gelu(x, w, b),
+                lambda x, w, b: jax.nn.gelu(_dot(x, w, True) + b, approximate=False), [x, w, b],
+                {"fwd": flops, "fwd+bwd": 3 * flops})

@@ -1,0 +1,83 @@
+"""RMSNorm on JAX arrays: the custom calls fusedlayers_rms_norm_{forward,backward}
+(backends/xla/rms_norm.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.rms_norm;
+csrc/rms_norm.h checks the arguments."""
+
+import math
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _args
+from ..bench.case import Case, memory_work
+from . import _op
+
+__all__ = ["rms_norm"]
+
+
+def rms_norm(x, normalized_shape: int | Sequence[int], weight=None, eps: float | None = None,
+             zero_centered: bool = False) -> jax.Array:
+    """y = x / sqrt(mean(x^2) + eps) * weight (or * (1 + weight) with zero_centered) over the
+    trailing normalized_shape dims of x (Zhang & Sennrich 2019, arXiv:1910.07467). eps=None
+    means the machine epsilon of x's dtype, as torch's; it travels as a float32 attribute.
+    Dtypes and errors as fusedlayers.jax.layer_norm."""
+    shape = tuple(int(d) for d in _args.normalized_shape("fusedlayers.rms_norm",
+                                                          normalized_shape))
+    x, weight = _op.prepare("rms_norm", x=x, weight=weight)
+    eps = float(jnp.finfo(x.dtype).eps) if eps is None else \
+        _args.real("fusedlayers.rms_norm", "eps", eps)
+    return _rms_norm(x, weight, shape, eps, bool(zero_centered))
+
+
+def _forward(x, weight, shape, eps, zero_centered):
+    stats = jax.ShapeDtypeStruct(x.shape[:max(x.ndim - len(shape), 0)], _op.stat_dtype(x))
+    return _op.call("rms_norm_forward", (_op.like(x), stats), x,
+                    _op.absent(x.dtype) if weight is None else weight,
+                    normalized_shape=_op.shape_attr(shape), eps=np.float32(eps),
+                    has_weight=weight is not None, zero_centered=zero_centered)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm(x, weight, shape, eps, zero_centered):
+    return _forward(x, weight, shape, eps, zero_centered)[0]
+
+
+def _rms_norm_fwd(x, weight, shape, eps, zero_centered):
+    y, rstd = _forward(x, weight, shape, eps, zero_centered)
+    return y, (x, rstd, weight)
+
+
+def _rms_norm_bwd(shape, eps, zero_centered, saved, dy):
+    x, rstd, weight = saved
+    w = _op.absent(x.dtype) if weight is None else weight
+    dx, dweight, _ = _op.call("rms_norm_backward",
+                              (_op.like(x), _op.like(w),
+                               _op.workspace(_op.NORM, x, math.prod(shape))), dy, x, rstd, w,
+                           normalized_shape=_op.shape_attr(shape), has_weight=weight is not None,
+                           zero_centered=zero_centered)
+    return dx, None if weight is None else dweight
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def bench_case(shape, dtype) -> Case:
+    """Against flax.linen.RMSNorm where flax imports, else the same math in jax.numpy."""
+    rows, cols = shape
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (rows, cols), dtype)
+    w = jax.random.normal(keys[1], (cols,), dtype)
+    try:
+        import flax.linen as nn
+        module = nn.RMSNorm(epsilon=1e-6, dtype=dtype, param_dtype=dtype)
+        eager = lambda x, w: module.apply({"params": {"scale": w}}, x)  # noqa: E731
+    except ImportError:
+        def eager(x, w):
+            xf = x.astype(jnp.float32)
+            return (xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * w
+                    ).astype(x.dtype)
+    nbytes = x.size * x.dtype.itemsize
+    return Case(lambda x, w: rms_norm(x, cols, w, 1e-6), eager, [x, w],
+                memory_work(nbytes, nbytes))

@@ -1,0 +1,62 @@
+"""What the Keras layers share (one module per op, fusedlayers/keras/<op>.py): their base class,
+the fusedlayers package of Keras' backend, and normalization over any axes. The same layer runs
+on the TensorFlow op library under the TensorFlow backend and on the torch extension under
+KERAS_BACKEND=torch: the layers call the public functions of the fusedlayers package of Keras'
+backend."""
+
+import importlib
+
+import keras
+from keras import ops
+
+_FRAMEWORKS = {"tensorflow": "fusedlayers.tensorflow", "torch": "fusedlayers.torch",
+               "jax": "fusedlayers.jax"}
+
+
+def framework(layer: str):
+    """The fusedlayers package (fusedlayers.tensorflow, fusedlayers.torch or fusedlayers.jax) of
+    Keras' backend; TypeError naming `layer` on another backend."""
+    backend = keras.backend.backend()
+    if backend not in _FRAMEWORKS:
+        raise TypeError(f"fusedlayers.keras.{layer}: Keras' {backend!r} backend has no fusedlayers "
+                        f"kernels; use KERAS_BACKEND=tensorflow, torch or jax")
+    return importlib.import_module(_FRAMEWORKS[backend])
+
+
+def on_trailing_axes(inputs, axis, norm):
+    """norm(x, norm_shape) over the axes `axis` of inputs, which the kernels take as x's trailing
+    dims: other axes are moved there and back."""
+    ndim = len(inputs.shape)
+    axes = sorted(a % ndim for a in axis)
+    perm = [d for d in range(ndim) if d not in axes] + axes
+    trailing = perm == list(range(ndim))
+    x = inputs if trailing else ops.transpose(inputs, perm)
+    y = norm(x, [inputs.shape[a] for a in axes])
+    return y if trailing else ops.transpose(y, [perm.index(d) for d in range(ndim)])
+
+
+def normalization_axis(axis, layer: str):
+    """Keras' `axis` argument of a normalization layer: an int, or a list of ints."""
+    if isinstance(axis, (list, tuple)):
+        return list(axis)
+    if isinstance(axis, int):
+        return axis
+    raise TypeError(f"{layer}: axis must be an int or a list/tuple of ints, got {axis!r}")
+
+
+class FusedLayer(keras.layers.Layer):
+    """The base of fusedlayers' Keras layers. `fuse_replaces`: the Keras layer class that
+    fusedlayers.keras.fuse swaps for this one (same config keys and weights, in order), if any."""
+
+    fuse_replaces = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # The TensorFlow ops have no XLA kernels: under that backend Keras' jit_compile='auto'
+        # must not pick XLA. JAX runs them as XLA custom calls, torch.compile as custom ops.
+        self.supports_jit = keras.backend.backend() != "tensorflow"
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+

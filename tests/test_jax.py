@@ -1,0 +1,115 @@
+"""fusedlayers.jax beyond the op table's generated tests (tests/test_ops.py): jit, vmap (forward
+and per-example gradients) and the dispatcher on JAX arrays and tracers; Keras layers on the JAX
+backend (in a fresh process: Keras picks its backend at import)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import fusedlayers as fl  # noqa: E402
+import fusedlayers.jax as flj  # noqa: E402
+from _helpers import rel_err  # noqa: E402
+
+
+def _ops(rng):
+    """(name, fn of x, x) for each op, with fixed random parameters."""
+    w, b = jnp.asarray(rng.normal(7) + 1), jnp.asarray(rng.normal(7))
+    lw, lb = jnp.asarray(rng.normal((5, 7)) / 3), jnp.asarray(rng.normal(5))
+    x = jnp.asarray(rng.normal((4, 3, 7)), jnp.float32)
+    return [("relu_scale", lambda x: fl.relu_scale(x, 0.75), x),
+            ("layer_norm", lambda x: fl.layer_norm(x, 7, w.astype(x.dtype), b.astype(x.dtype)), x),
+            ("rms_norm", lambda x: fl.rms_norm(x, 7, w.astype(x.dtype), 1e-6), x),
+            ("linear_gelu", lambda x: fl.linear_gelu(x, lw.astype(x.dtype), lb.astype(x.dtype)),
+             x)]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["relu_scale", "layer_norm", "rms_norm",
+                                                 "linear_gelu"])
+def test_vmap_forward_and_per_example_grads(index, rng):
+    """vmap over a leading axis equals the op on each slice, forward and gradient."""
+    name, fn, x = _ops(rng)[index]
+    batched = jax.jit(jax.vmap(fn))(x)
+    for i in range(x.shape[0]):
+        assert rel_err(np.asarray(batched[i]), np.asarray(fn(x[i]))) <= 1e-6, name
+    loss = lambda x: (fn(x) ** 2).sum()  # noqa: E731
+    per_example = jax.vmap(jax.grad(loss))(x)
+    for i in range(x.shape[0]):
+        assert rel_err(np.asarray(per_example[i]), np.asarray(jax.grad(loss)(x[i]))) <= 1e-6
+
+
+def test_vmap_over_parameters(rng):
+    """A batch of weights (one per example) is not folded into the rows."""
+    x = jnp.asarray(rng.normal((3, 5, 7)), jnp.float32)
+    w = jnp.asarray(rng.normal((3, 7)), jnp.float32)
+    out = jax.vmap(lambda x, w: flj.layer_norm(x, 7, w))(x, w)
+    for i in range(3):
+        assert rel_err(np.asarray(out[i]), np.asarray(flj.layer_norm(x[i], 7, w[i]))) <= 1e-7
+
+
+def test_dispatch_on_tracers_and_other_frameworks(rng):
+    x = jnp.asarray(rng.normal((2, 7)), jnp.float32)
+    assert jax.jit(lambda x: fl.layer_norm(x, 7))(x).shape == (2, 7)  # a tracer dispatches
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"layer_norm: x is a jax.Array, so weight must not be "
+                                        r"a torch.Tensor"):
+        fl.layer_norm(x, 7, torch.ones(7))
+    with pytest.raises(TypeError, match=r"x is a torch.Tensor, so weight must be one too, got "
+                                        r"jax"):
+        fl.layer_norm(torch.ones(2, 7), 7, x[0])
+
+
+def test_float16_and_bfloat16_parameters_of_float32(rng):
+    """Half x with float32 parameters (mixed precision's layout), as in torch."""
+    x = jnp.asarray(rng.normal((3, 7)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(7), jnp.float32)
+    y = flj.rms_norm(x, 7, w, 1e-6)
+    assert y.dtype == jnp.bfloat16
+    dw = jax.grad(lambda w: flj.rms_norm(x, 7, w, 1e-6).astype(jnp.float32).sum())(w)
+    assert dw.dtype == jnp.float32
+
+
+KERAS_SCRIPT = textwrap.dedent("""
+    import numpy as np, keras, jax
+    import fusedlayers.keras as flk
+    assert keras.backend.backend() == "jax"
+    rng = np.random.default_rng({seed})
+    x = rng.normal(size=(4, 6, 8)).astype("float32")
+    pairs = [(keras.layers.LayerNormalization(axis=[1, 2]), flk.LayerNorm(axis=[1, 2])),
+             (keras.layers.RMSNormalization(), flk.RMSNorm()),
+             (keras.layers.Dense(5, activation="gelu"), flk.FusedLinearGELU(5))]
+    for ref, fused in pairs:
+        ref.build(x.shape); fused.build(x.shape)
+        for rw, fw in zip(ref.weights, fused.weights):
+            v = rng.normal(size=rw.shape).astype("float32"); rw.assign(v); fw.assign(v)
+        out = fused(x)
+        assert isinstance(out, jax.Array), type(out)
+        err = np.abs(np.asarray(ref(x)) - np.asarray(out)).max()
+        assert err < 1e-5, (type(fused).__name__, err)
+    inp = keras.Input((6, 8))
+    h = keras.layers.LayerNormalization()(keras.layers.Dense(8, activation="gelu")(inp))
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+    fused = flk.fuse(model)
+    assert [type(l).__name__ for l in fused.layers[1:3]] == ["FusedLinearGELU", "LayerNorm"]
+    fused.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    y = rng.normal(size=(4, 3)).astype("float32")
+    losses = fused.fit(x, y, epochs=5, verbose=0).history["loss"]
+    assert losses[-1] < losses[0], losses
+    lowered = jax.jit(lambda x: fused(x)).lower(x).as_text()
+    assert "fusedlayers_layer_norm_forward" in lowered and "fusedlayers_linear_gelu_forward" in lowered
+    print("ok")
+""")
+
+
+def test_keras_layers_on_the_jax_backend(seed):
+    pytest.importorskip("keras")
+    done = subprocess.run([sys.executable, "-c", KERAS_SCRIPT.format(seed=seed)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KERAS_BACKEND": "jax"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
