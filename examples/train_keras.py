@@ -136,9 +136,11 @@ def train(name: str, model: keras.Model, args, x_train, y_train, x_test, y_test)
         loss=keras.losses.CategoricalCrossentropy(from_logits=True,
                                                   label_smoothing=LABEL_SMOOTHING),
         metrics=["accuracy"],
-        # The fused ops have no XLA kernels, so the fused model cannot use XLA; on a GPU,
-        # jit_compile="auto" would still XLA-compile the unfused one. Compare like with like.
-        jit_compile=False)
+        # XLA for both models (the fused ops compile to custom calls of their kernels), as
+        # Keras' jit_compile="auto" picks on a GPU: like with like. Under MirroredStrategy the
+        # replicas' variables live on other devices, which TF's XLA does not compile (its
+        # "tf.Variable on a different device" known issue): no XLA there, for both.
+        jit_compile=not args.distributed)
     # A new permutation every epoch, drawn by NumPy from the seed: the same batches for both
     # runs and under MirroredStrategy (a seeded tf.data shuffle draws other orders once the
     # strategy rewrites the dataset). One stream of all epochs' batches, read epoch by epoch.

@@ -106,8 +106,10 @@ def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False) -> list
 
 
 def tensorflow_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
-    """The same csrc kernels and the TensorFlow binding, compiled into the TF op library."""
-    return binding_sources("tensorflow", root, cuda)
+    """The same csrc kernels, the TensorFlow binding and, for its XLA kernels' custom calls, the
+    XLA FFI handlers, compiled into the TF op library."""
+    return sorted(set(binding_sources("tensorflow", root, cuda)) |
+                  set(root.glob("backends/xla/*.cc")))
 
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],

@@ -2,6 +2,7 @@
 // bias + GELU epilogue (csrc/linear_gelu_epilogue.h). The GEMMs around it are TF's own matmul
 // (fusedlayers/tensorflow/linear_gelu.py).
 #include "backends/tensorflow/binding.h"
+#include "backends/tensorflow/xla.h"
 #include "csrc/linear_gelu_epilogue.h"
 
 namespace fusedlayers::tf_binding {
@@ -92,8 +93,55 @@ class EpilogueGradOp : public EpilogueBase {
   }
 };
 
+// Under XLA: the custom calls fusedlayers_linear_gelu_{forward,backward} (backends/xla), the
+// epilogue around XLA's own dots.
+XlaAttributes epilogue_attributes(OpKernelConstruction* ctx) {
+  bool has_bias = false;
+  std::string approximate;
+  for (const auto& status :
+       {ctx->GetAttr("has_bias", &has_bias), ctx->GetAttr("approximate", &approximate)})
+    if (!status.ok()) ctx->CtxFailure(status);
+  return XlaAttributes().boolean("has_bias", has_bias).str("approximate", approximate);
+}
+
+class EpilogueXla : public XlaCustomCallOp {
+ public:
+  explicit EpilogueXla(OpKernelConstruction* ctx)
+      : XlaCustomCallOp(ctx, "fusedlayers_linear_gelu_forward",
+                        epilogue_attributes(ctx).boolean("with_pre", true),
+                        [](::tensorflow::XlaOpKernelContext* c, bool) {
+                          return std::vector<xla::Shape>{input_shape(c, 0), input_shape(c, 0)};
+                        },
+                        2) {}
+};
+
+class EpilogueGradXla : public XlaCustomCallOp {
+ public:
+  explicit EpilogueGradXla(OpKernelConstruction* ctx)
+      : XlaCustomCallOp(ctx, "fusedlayers_linear_gelu_backward", epilogue_attributes(ctx),
+                        [has_bias = bias_of(ctx)](::tensorflow::XlaOpKernelContext* c, bool gpu) {
+                          const auto pre = c->InputShape(1);
+                          const int64_t cols = pre.dims() ? pre.dim_size(pre.dims() - 1) : 1;
+                          return std::vector<xla::Shape>{
+                              input_shape(c, 1),
+                              xla::ShapeUtil::MakeShape(c->input_xla_type(1),
+                                                        {has_bias ? cols : 0}),
+                              xla_workspace(c, gpu, kEpilogueWorkspace, 1, cols)};
+                        },
+                        2) {}
+
+ private:
+  static bool bias_of(OpKernelConstruction* ctx) {
+    bool has_bias = false;
+    ctx->GetAttr("has_bias", &has_bias).IgnoreError();  // read by epilogue_attributes, checked
+    return has_bias;
+  }
+};
+
 FUSEDLAYERS_REGISTER_KERNELS("FusedlayersLinearGeluEpilogue", EpilogueOp, "T");
 FUSEDLAYERS_REGISTER_KERNELS("FusedlayersLinearGeluEpilogueGrad", EpilogueGradOp, "T");
+FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersLinearGeluEpilogue", EpilogueXla);
+FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersLinearGeluEpilogueGrad", EpilogueGradXla);
 
 }  // namespace
 }  // namespace fusedlayers::tf_binding

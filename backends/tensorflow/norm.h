@@ -10,7 +10,10 @@
 #include <string>
 #include <vector>
 
+#include <numeric>
+
 #include "backends/tensorflow/binding.h"
+#include "backends/tensorflow/xla.h"
 #include "csrc/norm.h"
 
 namespace fusedlayers::tf_binding {
@@ -155,13 +158,84 @@ class NormBackwardOp : public ::tensorflow::OpKernel {
   NormAttrs<Op> attrs_;
 };
 
+// The XLA kernels: the custom calls fusedlayers_<op>_forward / _backward (backends/xla) with
+// the TF op's attributes.
+template <typename Op>
+XlaAttributes norm_xla_attributes(OpKernelConstruction* ctx, bool forward) {
+  const NormAttrs<Op> attrs(ctx);
+  XlaAttributes a;
+  a.i64s("normalized_shape", attrs.normalized_shape).boolean("has_weight", attrs.has_weight);
+  if (Op::kHasBias) a.boolean("has_bias", attrs.has_bias);
+  a.boolean(Op::kOption, attrs.option);
+  if (forward) {
+    float eps = 0;
+    if (const auto status = ctx->GetAttr("eps", &eps); !status.ok()) ctx->CtxFailure(status);
+    a.f32("eps", eps);
+  }
+  return a;
+}
+
+template <typename Op>
+int64_t normalized_ndims(OpKernelConstruction* ctx) {
+  std::vector<int64_t> shape;
+  ctx->GetAttr("normalized_shape", &shape).IgnoreError();  // read again by NormAttrs, checked
+  return static_cast<int64_t>(shape.size());
+}
+
+template <typename Op>
+class NormForwardXla : public XlaCustomCallOp {
+ public:
+  explicit NormForwardXla(OpKernelConstruction* ctx)
+      : XlaCustomCallOp(ctx, std::string("fusedlayers_") + Op::kName + "_forward",
+                        norm_xla_attributes<Op>(ctx, true), results(normalized_ndims<Op>(ctx)),
+                        1 + Op::kStats) {}
+
+ private:
+  static XlaResults results(int64_t k) {
+    return [k](::tensorflow::XlaOpKernelContext* ctx, bool) {
+      const int rank = ctx->InputShape(0).dims();
+      const auto u = ctx->input_xla_type(0) == xla::F64 ? xla::F64 : xla::F32;
+      std::vector<xla::Shape> shapes{input_shape(ctx, 0)};
+      for (int i = 0; i < Op::kStats; ++i)
+        shapes.push_back(input_shape(ctx, 0, 0, std::max<int>(rank - k, 0), u));
+      return shapes;
+    };
+  }
+};
+
+template <typename Op>
+class NormBackwardXla : public XlaCustomCallOp {
+ public:
+  explicit NormBackwardXla(OpKernelConstruction* ctx)
+      : XlaCustomCallOp(ctx, std::string("fusedlayers_") + Op::kName + "_backward",
+                        norm_xla_attributes<Op>(ctx, false), results(normalized_ndims<Op>(ctx)),
+                        Op::kHasBias ? 3 : 2) {}
+
+ private:
+  static XlaResults results(int64_t k) {
+    return [k](::tensorflow::XlaOpKernelContext* ctx, bool gpu) {
+      constexpr int kWeight = 2 + Op::kStats;
+      const auto dims = ctx->InputShape(1).dim_sizes();
+      const int64_t cols = std::accumulate(dims.end() - std::min<int64_t>(k, dims.size()),
+                                           dims.end(), int64_t{1}, std::multiplies<>());
+      std::vector<xla::Shape> shapes{input_shape(ctx, 1), input_shape(ctx, kWeight)};
+      if (Op::kHasBias) shapes.push_back(input_shape(ctx, kWeight + 1));
+      shapes.push_back(xla_workspace(ctx, gpu, kNormWorkspace, 1, cols));
+      return shapes;
+    };
+  }
+};
+
 }  // namespace fusedlayers::tf_binding
 
-// Registers the kernels of the norm op `name` and of its gradient op `name`Grad, from traits Op.
+// Registers the kernels of the norm op `name` and of its gradient op `name`Grad, from traits Op,
+// and their XLA kernels.
 #define FUSEDLAYERS_REGISTER_NORM_KERNELS(name, Op)                    \
   template <bool kGpu>                                                 \
   using Op##Forward = ::fusedlayers::tf_binding::NormForwardOp<Op, kGpu>;  \
   template <bool kGpu>                                                 \
   using Op##Backward = ::fusedlayers::tf_binding::NormBackwardOp<Op, kGpu>; \
   FUSEDLAYERS_REGISTER_KERNELS(name, Op##Forward, "T");                \
-  FUSEDLAYERS_REGISTER_KERNELS(name "Grad", Op##Backward, "T")
+  FUSEDLAYERS_REGISTER_KERNELS(name "Grad", Op##Backward, "T");        \
+  FUSEDLAYERS_REGISTER_XLA_KERNEL(name, ::fusedlayers::tf_binding::NormForwardXla<Op>);        \
+  FUSEDLAYERS_REGISTER_XLA_KERNEL(name "Grad", ::fusedlayers::tf_binding::NormBackwardXla<Op>)

@@ -1,5 +1,6 @@
 // TensorFlow ops FusedlayersReluScale / FusedlayersReluScaleGrad on the csrc relu_scale kernels.
 #include "backends/tensorflow/binding.h"
+#include "backends/tensorflow/xla.h"
 #include "csrc/relu_scale.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 
@@ -79,8 +80,42 @@ class ReluScaleGradOp : public OpKernel {
   float alpha_;
 };
 
+// Under XLA: the custom calls fusedlayers_relu_scale_{forward,backward} (backends/xla).
+float alpha_of(OpKernelConstruction* ctx) {
+  float alpha = 0;
+  if (const auto status = ctx->GetAttr("alpha", &alpha); !status.ok()) ctx->CtxFailure(status);
+  return alpha;
+}
+
+class ReluScaleXla : public XlaCustomCallOp {
+ public:
+  explicit ReluScaleXla(OpKernelConstruction* ctx)
+      : XlaCustomCallOp(ctx, "fusedlayers_relu_scale_forward",
+                        XlaAttributes().f32("alpha", alpha_of(ctx)).boolean("with_mask", true),
+                        [](::tensorflow::XlaOpKernelContext* c, bool) {
+                          const int64_t n = c->InputShape(0).num_elements();
+                          return std::vector<xla::Shape>{
+                              input_shape(c, 0),
+                              xla::ShapeUtil::MakeShape(xla::U32, {relu_scale_mask_words(n)})};
+                        },
+                        2) {}
+};
+
+class ReluScaleGradXla : public XlaCustomCallOp {
+ public:
+  explicit ReluScaleGradXla(OpKernelConstruction* ctx)
+      : XlaCustomCallOp(ctx, "fusedlayers_relu_scale_backward",
+                        XlaAttributes().f32("alpha", alpha_of(ctx)),
+                        [](::tensorflow::XlaOpKernelContext* c, bool) {
+                          return std::vector<xla::Shape>{input_shape(c, 0)};
+                        },
+                        1) {}
+};
+
 FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScale", ReluScaleOp, "T");
 FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScaleGrad", ReluScaleGradOp, "T");
+FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersReluScale", ReluScaleXla);
+FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersReluScaleGrad", ReluScaleGradXla);
 
 }  // namespace
 }  // namespace fusedlayers::tf_binding

@@ -4,7 +4,8 @@
 // text, and the export of each handler as a C symbol for each platform.
 //
 // Built once per framework against that framework's XLA FFI headers: for JAX (jaxlib's, loaded
-// with ctypes and registered with jax.ffi) and, later, inside the TF op library (TF's).
+// with ctypes and registered with jax.ffi) and inside the TF op library (TF's, registered with
+// TF's XLA by name: FUSEDLAYERS_XLA_TF).
 #pragma once
 
 #include <atomic>
@@ -16,6 +17,13 @@
 
 #include "csrc/common.h"
 #include "xla/ffi/api/ffi.h"
+#ifdef FUSEDLAYERS_XLA_TF
+namespace xla::ffi {
+// TF's XLA FFI API (exported by libtensorflow_cc; its header, xla/ffi/ffi_api.h, needs MLIR
+// headers TF does not ship).
+const XLA_FFI_Api* GetXlaFfiApi();
+}  // namespace xla::ffi
+#endif
 
 namespace fusedlayers::xla_binding {
 
@@ -148,6 +156,16 @@ auto bind_cuda(Sig sig) {
 
 #define FUSEDLAYERS_XLA_EXPORT extern "C" __attribute__((visibility("default")))
 
+// In the TF op library the handlers are also registered with TF's XLA by name, for the custom
+// calls its XLA kernels emit (backends/tensorflow/xla.h).
+#ifdef FUSEDLAYERS_XLA_TF
+#define FUSEDLAYERS_XLA_TF_REGISTER(name, platform, suffix)                                   \
+  XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), "fusedlayers_" #name, platform,        \
+                           fusedlayers_xla_##name##_##suffix)
+#else
+#define FUSEDLAYERS_XLA_TF_REGISTER(name, platform, suffix) static_assert(true)
+#endif
+
 // Exports the pass `impl(Device&, args...)`, bound by `sig`, as the C symbols
 // fusedlayers_xla_<name>_cpu and (in CUDA builds) fusedlayers_xla_<name>_cuda, which Python
 // registers with XLA as the custom-call targets fusedlayers_<name> of each platform. The CUDA
@@ -164,6 +182,7 @@ auto bind_cuda(Sig sig) {
             .release();                                                                         \
     return handler->Call(frame);                                                                \
   }                                                                                             \
+  FUSEDLAYERS_XLA_TF_REGISTER(name, "Host", cpu);                                               \
   FUSEDLAYERS_XLA_CUDA_HANDLER(name, impl, sig)
 
 // Both passes of op `name` in this file: ::fusedlayers::xla_binding::(anonymous)::forward and
@@ -185,7 +204,8 @@ auto bind_cuda(Sig sig) {
             }, {::xla::ffi::Traits::kCmdBufferCompatible})                                       \
             .release();                                                                          \
     return handler->Call(frame);                                                                 \
-  }
+  }                                                                                              \
+  FUSEDLAYERS_XLA_TF_REGISTER(name, "CUDA", cuda)
 #else
-#define FUSEDLAYERS_XLA_CUDA_HANDLER(name, impl, sig)
+#define FUSEDLAYERS_XLA_CUDA_HANDLER(name, impl, sig) static_assert(true)
 #endif

@@ -46,15 +46,11 @@ def normalization_axis(axis, layer: str):
 
 class FusedLayer(keras.layers.Layer):
     """The base of fusedlayers' Keras layers. `fuse_replaces`: the Keras layer class that
-    fusedlayers.keras.fuse swaps for this one (same config keys and weights, in order), if any."""
+    fusedlayers.keras.fuse swaps for this one (same config keys and weights, in order), if any.
+    The ops compile under XLA on every backend (TF's XLA kernels, JAX's custom calls,
+    torch.compile's custom ops), so the layers keep Keras' default supports_jit."""
 
     fuse_replaces = None
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        # The TensorFlow ops have no XLA kernels: under that backend Keras' jit_compile='auto'
-        # must not pick XLA. JAX runs them as XLA custom calls, torch.compile as custom ops.
-        self.supports_jit = keras.backend.backend() != "tensorflow"
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -38,11 +38,16 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
         cuda, why = cuda_build()
         print(f"fusedlayers: {'building' if cuda else 'not building'} the TensorFlow GPU "
               f"kernels ({why})")
+    include = Path(tf.sysconfig.get_include())
+    # The XLA kernels' headers (tf2xla) include highwayhash and farmhash from TF's own copies;
+    # FUSEDLAYERS_XLA_TF registers the XLA FFI handlers with TF's XLA.
     cflags = ["-Wno-deprecated-declarations", "-Wno-interference-size",
-              *tf.sysconfig.get_compile_flags(), "-std=c++17",
-              *(["-DGOOGLE_CUDA=1"] if cuda else [])]
+              *tf.sysconfig.get_compile_flags(), f"-I{include / 'external/highwayhash'}",
+              f"-I{include / 'external/farmhash_archive/src'}", "-DFUSEDLAYERS_XLA_TF",
+              "-std=c++17", *(["-DGOOGLE_CUDA=1"] if cuda else [])]
     _sources.build_library(output, _sources.tensorflow_sources(cuda=cuda), cflags,
-                           tf.sysconfig.get_link_flags(), cuda, verbose)
+                           [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"], cuda,
+                           verbose)
 
 
 def _jit_library() -> Path:

@@ -2,8 +2,8 @@
 is first imported (without it, importing still works and the first call raises
 fusedlayers.NotBuiltError), argument conversion, the error type and gradient registration.
 
-The ops have no XLA kernels: calling one while XLA compiles the graph (jit_compile=True) raises a
-clear error. Gradients are registered for the forward ops and call the backward ops, so they work
+Every op has an XLA kernel (backends/tensorflow/xla.h): under jit_compile=True it compiles to a
+custom call of the same kernels. Gradients are registered for the forward ops and call the backward ops, so they work
 eagerly, in tf.function, under tf.GradientTape and in a reloaded SavedModel (importing the op's
 module, which a reload needs anyway to load the op library, registers them).
 """
@@ -32,11 +32,6 @@ def prepare(op: str, **tensors) -> list[tf.Tensor]:
     """Checks the op can run here and converts each argument to a floating tensor."""
     if lib is None:
         raise NotBuiltError(LOAD_ERROR)
-    graph = tf.compat.v1.get_default_graph()
-    if getattr(graph, "_xla_compile", False) or _in_xla_context(graph):
-        raise invalid(f"fusedlayers.{op} has no XLA kernel and cannot run under "
-                      f"jit_compile=True; compile this function or model with "
-                      f"jit_compile=False (fusedlayers' Keras layers set supports_jit=False).")
     out = []
     for name, value in tensors.items():
         t = tf.convert_to_tensor(value)
@@ -45,11 +40,6 @@ def prepare(op: str, **tensors) -> list[tf.Tensor]:
                           f"bfloat16, got {t.dtype.name}")
         out.append(t)
     return out
-
-
-def _in_xla_context(graph) -> bool:
-    from tensorflow.python.ops import control_flow_util
-    return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
 def float32_attr(op: str, name: str, value: float) -> float:
