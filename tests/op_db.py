@@ -115,10 +115,14 @@ def _linear_gelu_draw(rng, s):
 
 
 def _linear_gelu_scales(t, dy, kw):
-    """|gelu'| < 1.13: the GEMMs of the backward sum terms of at most 1.13 |dy| |x| (|W|)."""
+    """|gelu'| < 1.13: the GEMMs of the backward sum terms of at most 1.13 |dy| |x| (|W|), and y
+    is gelu of a sum of terms |x| |W| and |b|, which is what its rounding is relative to."""
     g = 1.13 * dy.abs().reshape(-1, dy.shape[-1]) if dy.dim() else 1.13 * dy.abs().reshape(1, 1)
     x = t["x"].abs().reshape(-1, t["weight"].shape[1])
-    return {"dx": (g @ t["weight"].abs()).reshape(t["x"].shape), "dweight": g.T @ x,
+    b = 0 if t.get("bias") is None else t["bias"].abs()
+    y = 1.13 * (x @ t["weight"].abs().T + b)
+    return {"y": y.reshape(*t["x"].shape[:-1], t["weight"].shape[0]),
+            "dx": (g @ t["weight"].abs()).reshape(t["x"].shape), "dweight": g.T @ x,
             "dbias": g.sum(0)}
 
 

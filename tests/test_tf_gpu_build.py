@@ -43,7 +43,8 @@ def test_cuda_runtime_is_private(gpu_library):
 
 def test_gpu_kernels_registered_and_cpu_runs(gpu_library):
     """In a fresh process (the op names are registered once per process): every op has a CPU
-    kernel and GPU kernels for float32/float16/bfloat16, and the CPU kernel still computes."""
+    kernel, GPU kernels for float32/float16/bfloat16 and XLA kernels for XLA's CPU and GPU JIT
+    devices, and the CPU kernel still computes."""
     script = f"""
 import json
 import tensorflow as tf
@@ -65,6 +66,6 @@ print(json.dumps({{"kernels": found, "y": [str(v) for v in y.numpy().tolist()],
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    want = ["CPU:", "GPU:bfloat16", "GPU:float16", "GPU:float32"]
+    want = ["CPU:", "GPU:bfloat16", "GPU:float16", "GPU:float32", "XLA_CPU_JIT:", "XLA_GPU_JIT:"]
     assert result["kernels"] == {op: want for op in OPS}
     assert result["y"] == ["0.0", "6.0", "nan"] and result["mask"] == [0b110]
