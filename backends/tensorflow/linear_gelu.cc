@@ -138,10 +138,8 @@ class EpilogueGradXla : public XlaCustomCallOp {
   }
 };
 
-FUSEDLAYERS_REGISTER_KERNELS("FusedlayersLinearGeluEpilogue", EpilogueOp, "T");
-FUSEDLAYERS_REGISTER_KERNELS("FusedlayersLinearGeluEpilogueGrad", EpilogueGradOp, "T");
-FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersLinearGeluEpilogue", EpilogueXla);
-FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersLinearGeluEpilogueGrad", EpilogueGradXla);
+FUSEDLAYERS_REGISTER_OP_AND_GRAD("FusedlayersLinearGeluEpilogue", EpilogueOp, EpilogueGradOp,
+                                 EpilogueXla, EpilogueGradXla);
 
 }  // namespace
 }  // namespace fusedlayers::tf_binding

@@ -112,10 +112,8 @@ class ReluScaleGradXla : public XlaCustomCallOp {
                         1) {}
 };
 
-FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScale", ReluScaleOp, "T");
-FUSEDLAYERS_REGISTER_KERNELS("FusedlayersReluScaleGrad", ReluScaleGradOp, "T");
-FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersReluScale", ReluScaleXla);
-FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersReluScaleGrad", ReluScaleGradXla);
+FUSEDLAYERS_REGISTER_OP_AND_GRAD("FusedlayersReluScale", ReluScaleOp, ReluScaleGradOp, ReluScaleXla,
+                                 ReluScaleGradXla);
 
 }  // namespace
 }  // namespace fusedlayers::tf_binding

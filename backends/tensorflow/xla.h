@@ -119,3 +119,11 @@ inline xla::Shape xla_workspace(::tensorflow::XlaOpKernelContext* ctx, bool gpu,
 #define FUSEDLAYERS_REGISTER_XLA_KERNEL(op, Kernel) \
   REGISTER_KERNEL_BUILDER(Name(op).Device(::tensorflow::DEVICE_CPU_XLA_JIT), Kernel)
 #endif
+
+// Registers a TF op `op` and its gradient op `op`Grad: their kernels (CPU and GPU) and their XLA
+// kernels.
+#define FUSEDLAYERS_REGISTER_OP_AND_GRAD(op, Kernel, GradKernel, XlaKernel, GradXlaKernel) \
+  FUSEDLAYERS_REGISTER_KERNELS(op, Kernel, "T");                                          \
+  FUSEDLAYERS_REGISTER_KERNELS(op "Grad", GradKernel, "T");                               \
+  FUSEDLAYERS_REGISTER_XLA_KERNEL(op, XlaKernel);                                         \
+  FUSEDLAYERS_REGISTER_XLA_KERNEL(op "Grad", GradXlaKernel)
