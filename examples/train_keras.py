@@ -2,9 +2,10 @@
 once with stock Keras layers and once with fusedlayers.keras, and check that both runs learn
 the same thing.
 
-    python examples/train_keras.py                   # TensorFlow backend, CPU, 20 epochs per run
-    python examples/train_keras.py --help            # epochs, batch size, seed, plot
-    python examples/train_keras.py --distributed     # tf.distribute.MirroredStrategy, 2 replicas
+    python examples/train_keras.py                        # TensorFlow backend, CPU, 20 epochs
+    KERAS_BACKEND=jax python examples/train_keras.py      # JAX backend
+    python examples/train_keras.py --help                 # epochs, batch size, seed, plot
+    python examples/train_keras.py --distributed          # data parallel over 2 devices
 
 The model is the one of examples/train_torch.py (8x8 images -> 16 tokens of 2x2 patches -> 3
 Mixer blocks -> mean pool -> head), trained the same way (AdamW, cosine decay to zero, label
@@ -12,9 +13,12 @@ smoothing 0.1). The fused layers stand where their unfused counterparts would be
 LayerNormalization, FusedLinearGELU for Dense(activation='gelu') as the first layer of every
 MLP, and FusedReLUScale for ReLU followed by Rescaling in the head. Both models have the same
 weight list (order, names, shapes); the fused model gets the unfused model's initial weights,
-and both runs see the batches in the same order. The runs go one after the other, each with
-Keras' own progress output; then the script prints per-epoch train loss and held-out accuracy
-side by side, time per training step, a summary, and saves the two loss curves as a PNG.
+both see the batches in the same order, and they train in lockstep: one epoch of each, then the
+next, so both meet the same machine load. Both are compiled by XLA (TensorFlow's jit_compile,
+or JAX's jit; the fused layers are custom calls inside the compiled step), as Keras compiles the
+unfused model on a GPU by itself: like with like. The first epoch includes that compilation.
+The script prints each epoch's train loss, held-out accuracy and time for both models, the
+time per training step, a summary, and saves the loss curves and their difference as a PNG.
 
 Expected agreement: the fused kernels compute the same math as the unfused ops but sum in a
 different order (bias+GELU epilogue, LayerNorm reductions and their gradients), so the two
@@ -25,11 +29,12 @@ with status 1 if either run ends below 90% held-out accuracy or if any epoch's l
 more than LOSS_RTOL (1e-2) relative, the bar of train_torch.py, so it doubles as an end-to-end
 check of forward, backward and parameter updates through Keras.
 
-With --distributed both models are built, compiled and fitted under
-`tf.distribute.MirroredStrategy` over two logical CPU devices (or the GPUs TensorFlow sees):
-each global batch is split across the replicas and their gradients are summed by TensorFlow's
-own all-reduce, so the losses equal a single-device run's up to summation order (--json
-writes them for comparing).
+With --distributed both models train data parallel over two devices (the GPUs, or the CPU as two
+devices): on TensorFlow under `tf.distribute.MirroredStrategy` (without XLA: TF's XLA does not
+compile variables placed on other devices), on JAX under `keras.distribution.DataParallel` (the
+fused ops run on each device's rows, their parameter gradients summed across devices). Each
+global batch is split across the devices, so the losses equal a single-device run's up to
+summation order (--json writes them for comparing).
 """
 
 import os
@@ -37,12 +42,17 @@ import os
 # Before TF loads: hide its C++ info and warning logs. (TF 2.21 still prints its oneDNN notice at
 # import: absl writes it before any log threshold applies.)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import sys  # noqa: E402
+
+if "--distributed" in sys.argv and os.environ.get("KERAS_BACKEND") == "jax":
+    # Before JAX starts: without GPUs, the CPU as two devices for DataParallel.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=2").strip()
 
 import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 
 import matplotlib
@@ -51,7 +61,6 @@ matplotlib.use("Agg")  # headless: only writes a file
 import keras
 import matplotlib.pyplot as plt
 import numpy as np
-import tensorflow as tf
 from keras import layers
 from matplotlib.ticker import MaxNLocator
 from sklearn.datasets import load_digits
@@ -124,9 +133,7 @@ class StepTimer(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def train(name: str, model: keras.Model, args, x_train, y_train, x_test, y_test):
-    """Compiles and fits `model`; returns its History and step times."""
-    steps = args.epochs * (len(x_train) // args.batch_size)
+def compile_model(model: keras.Model, args, steps: int) -> None:
     model.compile(
         # Cosine decay to zero: no late loss spikes, which would amplify the runs' rounding
         # differences into visibly different curves. epsilon as torch's AdamW.
@@ -136,45 +143,44 @@ def train(name: str, model: keras.Model, args, x_train, y_train, x_test, y_test)
         loss=keras.losses.CategoricalCrossentropy(from_logits=True,
                                                   label_smoothing=LABEL_SMOOTHING),
         metrics=["accuracy"],
-        # XLA for both models (the fused ops compile to custom calls of their kernels), as
-        # Keras' jit_compile="auto" picks on a GPU: like with like. Under MirroredStrategy the
-        # replicas' variables live on other devices, which TF's XLA does not compile (its
-        # "tf.Variable on a different device" known issue): no XLA there, for both.
-        jit_compile=not args.distributed)
-    # A new permutation every epoch, drawn by NumPy from the seed: the same batches for both
-    # runs and under MirroredStrategy (a seeded tf.data shuffle draws other orders once the
-    # strategy rewrites the dataset). One stream of all epochs' batches, read epoch by epoch.
-    # Each epoch's last partial batch is left out: replicas average their own batch means, which
-    # equals the global batch mean only when the batch splits evenly.
-    rng = np.random.default_rng(args.seed)
-    orders = np.stack([rng.permutation(len(x_train)) for _ in range(args.epochs)])
-    x, y = tf.constant(x_train), tf.constant(y_train)
-    batches = (tf.data.Dataset.from_tensor_slices(orders)
-               .flat_map(lambda order: tf.data.Dataset.from_tensor_slices(order)
-                         .batch(args.batch_size, drop_remainder=True))
-               .map(lambda idx: (tf.gather(x, idx), tf.gather(y, idx))))
-    keras.utils.set_random_seed(args.seed)
+        jit_compile=not (args.distributed and keras.backend.backend() == "tensorflow"))
+
+
+def train_epoch(model: keras.Model, epoch: int, x, y, order, args, validation):
+    """Epoch `epoch` (from 0) over x[order] in batches of args.batch_size (the last partial batch
+    left out: replicas average their own batch means, which equals the global mean only when the
+    batch splits evenly); returns its train loss, held-out accuracy and step times (s)."""
+    order = order[:len(order) // args.batch_size * args.batch_size]
     timer = StepTimer()
-    print(f"--- {name} ---")
-    history = model.fit(batches, epochs=args.epochs, validation_data=(x_test, y_test),
-                        steps_per_epoch=len(x_train) // args.batch_size,
-                        callbacks=[timer], shuffle=False,  # `batches` shuffles
-                        verbose=2)
-    return history.history, timer.times
+    history = model.fit(x[order], y[order], batch_size=args.batch_size, epochs=epoch + 1,
+                        initial_epoch=epoch, shuffle=False, validation_data=validation,
+                        callbacks=[timer], verbose=0).history
+    return history["loss"][-1], history["val_accuracy"][-1], timer.times
 
 
 def save_plot(path: str, unfused: dict, fused: dict) -> None:
-    epochs = range(1, len(unfused["loss"]) + 1)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(epochs, unfused["loss"], label="unfused (keras.layers)", linewidth=3, alpha=0.6)
-    ax.plot(epochs, fused["loss"], "--", label="fused (fusedlayers.keras)", linewidth=1.5)
-    ax.set(xlabel="epoch", ylabel="train loss (cross-entropy, label smoothing 0.1)",
-           yscale="log",
-           title=f"MLP-Mixer on sklearn digits (Keras, {keras.backend.backend()}): "
-                 f"unfused vs fused")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    # The curves overlap at any visible scale, so a second panel shows their difference.
+    epochs = list(range(1, len(unfused["loss"]) + 1))
+    rel = [abs(u - f) / u for u, f in zip(unfused["loss"], fused["loss"])]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    top.plot(epochs, unfused["loss"], label="unfused (keras.layers)", linewidth=3, alpha=0.6)
+    top.plot(epochs, fused["loss"], "--", label="fused (fusedlayers.keras)", linewidth=1.5)
+    top.set(ylabel=f"train loss (label smoothing {LABEL_SMOOTHING})", yscale="log",
+            title=f"MLP-Mixer on sklearn digits (Keras, {keras.backend.backend()}): "
+                  f"unfused vs fused")
+    top.legend()
+    bottom.plot(epochs, rel, "o-", markersize=3, color="tab:red", label="|difference| / loss")
+    zeros = [e for e, r in zip(epochs, rel) if r == 0]
+    if zeros:  # a log axis cannot show 0: marked on the bottom edge instead
+        bottom.plot(zeros, [0] * len(zeros), "v", color="tab:green", clip_on=False,
+                    transform=bottom.get_xaxis_transform(), label="exactly equal")
+    bottom.axhline(LOSS_RTOL, color="black", linestyle=":", label=f"tolerance {LOSS_RTOL:.0e}")
+    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log")
+    bottom.legend()
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
+    for ax in (top, bottom):
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -189,16 +195,28 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the per-epoch losses and "
                                                        "accuracies as JSON")
     parser.add_argument("--distributed", action="store_true",
-                        help="tf.distribute.MirroredStrategy over 2 logical CPU devices (or "
-                             "the GPUs)")
+                        help="data parallel over 2 devices (the GPUs, or the CPU as two): "
+                             "MirroredStrategy on TensorFlow, DataParallel on JAX")
     args = parser.parse_args()
-    scope = mirrored().scope() if args.distributed else contextlib.nullcontext()
+    replicas, scope = 1, contextlib.nullcontext()
+    if args.distributed and keras.backend.backend() == "tensorflow":
+        strategy = mirrored()
+        replicas, scope = strategy.num_replicas_in_sync, strategy.scope()
+    elif args.distributed and keras.backend.backend() == "jax":
+        devices = keras.distribution.list_devices()[:2]
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        replicas = len(devices)
+    elif args.distributed:
+        parser.error(f"--distributed: for the tensorflow and jax backends, not "
+                     f"{keras.backend.backend()}")
     with scope:
-        return run(args)
+        return run(args, replicas)
 
 
-def mirrored() -> tf.distribute.MirroredStrategy:
+def mirrored():
     """MirroredStrategy over the GPUs, or over the CPU split into two logical devices."""
+    import tensorflow as tf
+
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         return tf.distribute.MirroredStrategy()
@@ -207,12 +225,11 @@ def mirrored() -> tf.distribute.MirroredStrategy:
     return tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
 
 
-def run(args) -> int:
+def run(args, replicas: int) -> int:
     x_train, x_test, y_train, y_test = load_data()
-    strategy = tf.distribute.get_strategy()
     print(f"digits: {len(x_train)} train / {len(x_test)} held-out images, Keras "
           f"{keras.__version__} ({keras.backend.backend()} backend), seed {args.seed}, "
-          f"{strategy.num_replicas_in_sync} replica(s)")
+          f"{replicas} replica(s)")
 
     keras.utils.set_random_seed(args.seed)
     unfused_model = build_mixer(fused=False)
@@ -229,24 +246,42 @@ def run(args) -> int:
                                                      fused_model.get_weights()))
     print(f"{unfused_model.count_params()} parameters in {len(layout[0])} weight tensors, same "
           f"order, names and shapes in both models; fused model starts from the unfused "
-          f"weights: {'identical' if same else 'DIFFERENT'}\n")
+          f"weights: {'identical' if same else 'DIFFERENT'}")
+    steps = args.epochs * (len(x_train) // args.batch_size)
+    for model in (unfused_model, fused_model):
+        compile_model(model, args, steps)
+    xla = "off (MirroredStrategy)" if not unfused_model.jit_compile else "on for both models"
+    print(f"XLA {xla}; epoch 1 includes compiling each model's train and test steps\n")
 
-    unfused, unfused_times = train("unfused", unfused_model, args, x_train, y_train, x_test,
-                                   y_test)
-    fused, fused_times = train("fused", fused_model, args, x_train, y_train, x_test, y_test)
+    # A new permutation every epoch, drawn by NumPy from the seed: the same batches for both.
+    rng = np.random.default_rng(args.seed)
+    runs = {"unfused": {"loss": [], "accuracy": [], "times": []},
+            "fused": {"loss": [], "accuracy": [], "times": []}}
+    print(f"{'epoch':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10} "
+          f"{'unfused acc':>12} {'fused acc':>10} {'unfused s':>10} {'fused s':>8}", flush=True)
+    for epoch in range(args.epochs):
+        order = rng.permutation(len(x_train))
+        seconds = {}
+        for name, model in (("unfused", unfused_model), ("fused", fused_model)):
+            start = time.perf_counter()
+            loss, acc, times = train_epoch(model, epoch, x_train, y_train, order, args,
+                                           (x_test, y_test))
+            seconds[name] = time.perf_counter() - start
+            runs[name]["loss"].append(loss)
+            runs[name]["accuracy"].append(acc)
+            runs[name]["times"] += times if epoch else []  # the first epoch compiles
+        u, f = runs["unfused"], runs["fused"]
+        print(f"{epoch + 1:>5} {u['loss'][-1]:>13.6f} {f['loss'][-1]:>13.6f} "
+              f"{abs(u['loss'][-1] - f['loss'][-1]):>10.2e} {u['accuracy'][-1]:>12.4f} "
+              f"{f['accuracy'][-1]:>10.4f} {seconds['unfused']:>10.2f} {seconds['fused']:>8.2f}",
+              flush=True)
 
-    print(f"\n{'epoch':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10} "
-          f"{'unfused acc':>12} {'fused acc':>10}")
-    for epoch, (ul, fl, ua, fa) in enumerate(zip(unfused["loss"], fused["loss"],
-                                                 unfused["val_accuracy"],
-                                                 fused["val_accuracy"]), start=1):
-        print(f"{epoch:>5} {ul:>13.6f} {fl:>13.6f} {abs(ul - fl):>10.2e} {ua:>12.4f} {fa:>10.4f}")
-
-    # Median step time: robust to the first step's tracing and to scheduler noise.
-    u_ms, f_ms = (1e3 * statistics.median(times) for times in (unfused_times, fused_times))
+    unfused, fused = runs["unfused"], runs["fused"]
+    # Median step time after the first epoch: robust to scheduler noise.
+    u_ms, f_ms = (1e3 * statistics.median(r["times"] or [float("nan")]) for r in (unfused, fused))
     diffs = [abs(ul - fl) for ul, fl in zip(unfused["loss"], fused["loss"])]
     max_rel = max(d / ul for d, ul in zip(diffs, unfused["loss"]))
-    u_acc, f_acc = unfused["val_accuracy"][-1], fused["val_accuracy"][-1]
+    u_acc, f_acc = unfused["accuracy"][-1], fused["accuracy"][-1]
     print(f"\n{'':<24}{'unfused':>10}{'fused':>10}")
     print(f"{'held-out accuracy':<24}{u_acc:>10.4f}{f_acc:>10.4f}")
     print(f"{'final train loss':<24}{unfused['loss'][-1]:>10.5f}{fused['loss'][-1]:>10.5f}")
@@ -259,9 +294,9 @@ def run(args) -> int:
     print(f"loss curves saved to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"replicas": tf.distribute.get_strategy().num_replicas_in_sync,
-                       **{name: {"loss": h["loss"], "accuracy": h["val_accuracy"]}
-                          for name, h in (("unfused", unfused), ("fused", fused))}}, f, indent=1)
+            json.dump({"replicas": replicas, "backend": keras.backend.backend(),
+                       **{name: {"loss": r["loss"], "accuracy": r["accuracy"]}
+                          for name, r in runs.items()}}, f, indent=1)
 
     failures = [f"{name} held-out accuracy {acc:.4f} < {MIN_ACCURACY}"
                 for name, acc in (("unfused", u_acc), ("fused", f_acc)) if acc < MIN_ACCURACY]

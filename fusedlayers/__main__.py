@@ -90,13 +90,17 @@ def bench(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart")
     model = parser.add_argument_group(
         "whole models", "--model times training steps of a Hugging Face model (built from "
-        "config), unfused vs fusedlayers.torch.fuse, instead of single ops")
+        "config), unfused vs fusedlayers.torch.fuse, instead of single ops; with --framework "
+        "jax, of a BERT-base-shaped Keras encoder on Keras' JAX backend, unfused vs "
+        "fusedlayers.keras.fuse (bert-base only)")
     model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2"))
     model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
     model.add_argument("--batch", help="comma-separated batch sizes (default: a host-bound and "
                                        "a GPU-bound one on CUDA, 8 on the CPU)")
-    model.add_argument("--precision", default="autocast,bf16",
-                       help="autocast (bf16 compute, fp32 params), bf16 (bf16 params), fp32")
+    model.add_argument("--precision",
+                       help="torch: autocast (bf16 compute, fp32 params), bf16 (bf16 params), "
+                            "fp32 (default: autocast,bf16); Keras: its dtype policies, "
+                            "mixed_bfloat16 or float32 (default: mixed_bfloat16)")
     model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
     model.add_argument("--rounds", type=int, default=5, help="A/B rounds")
     model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
@@ -110,6 +114,10 @@ def bench(argv: list[str]) -> int:
     memory.add_argument("--memory-models", default="mlp,bert-base,vit-base,gpt2",
                         help="comma-separated, of mlp and the --model names")
     args = parser.parse_args(argv)
+    if args.framework == "jax" and args.model:
+        if args.model != "bert-base":
+            parser.error("--framework jax --model: bert-base only")
+        return _bench_keras_model(args)
 
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,7 +167,8 @@ def _bench_model(args, device: str, name: str) -> int:
     say(f"device: {name}\n{mb.HEADER}")
     rows = mb.run(args.model, device,
                   tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
-                  tuple(args.precision.split(",")), tuple(args.modes.split(",")),
+                  tuple((args.precision or "autocast,bf16").split(",")),
+                  tuple(args.modes.split(",")),
                   args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed)
     if args.distributed:
         dist.destroy_process_group()
@@ -167,6 +176,19 @@ def _bench_model(args, device: str, name: str) -> int:
         mb.write_json(args.json, rows, name)
     if first and args.plot:
         mb.plot(args.plot, rows, name)
+    return 0
+
+
+def _bench_keras_model(args) -> int:
+    from fusedlayers.bench import keras_models as km
+    import jax
+    name = f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"
+    print(f"device: {name}, Keras' JAX backend\n{km.HEADER}", flush=True)
+    rows = km.run(args.model, tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
+                  tuple((args.precision or "mixed_bfloat16").split(",")), args.rounds,
+                  args.steps, tiny=args.tiny, log=lambda line: print(line, flush=True))
+    if args.json:
+        km.write_json(args.json, rows, name)
     return 0
 
 

@@ -14,6 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+# Two CPU devices for JAX's sharding tests: XLA reads this when JAX first starts its CPU client.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
+
 
 def pytest_sessionstart(session):
     for name in ("tensorflow", "keras", "jax"):

@@ -1,7 +1,7 @@
 """The examples under the frameworks' own distributed engines: `examples/train_torch.py
 --distributed ddp|fsdp` on two processes (torchrun: gloo on the CPU, NCCL on two GPUs) and
 `examples/train_keras.py --distributed` (tf.distribute.MirroredStrategy over two logical CPU
-devices) pass the examples' own checks (fused against unfused), and their losses equal a
+devices; keras.distribution.DataParallel over two JAX CPU devices) pass the examples' own checks (fused against unfused), and their losses equal a
 single-process run on the same global batches up to summation order, to train_torch.py's bars:
 1e-5 in the first epoch, LOSS_RTOL after.
 
@@ -32,13 +32,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]
 
 
-def train(tmp_path: Path, name: str, launcher: list[str], example: str, extra=()) -> dict:
+def train(tmp_path: Path, name: str, launcher: list[str], example: str, extra=(),
+          env_extra=None) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = [*launcher, str(EXAMPLES / example), "--epochs", str(EPOCHS), "--json", str(out),
            "--plot", str(tmp_path / f"{name}.png"), *extra]
     # The checkout first on the path: the example imports this fusedlayers, installed or not.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), **(env_extra or {})}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return json.loads(out.read_text())
@@ -81,3 +82,17 @@ def test_keras_mirrored_strategy_trains_like_one_device(tmp_path):
     mirrored = train(tmp_path, "mirrored", [sys.executable], "train_keras.py", ["--distributed"])
     assert (single["replicas"], mirrored["replicas"]) == (1, 2)
     assert_same_training(mirrored, single, "MirroredStrategy")
+
+
+def test_keras_data_parallel_on_jax_trains_like_one_device(tmp_path):
+    """On the JAX backend the fused ops run on each device's rows (custom partitioning) and
+    their parameter gradients are summed across the devices."""
+    pytest.importorskip("jax")
+    pytest.importorskip("keras")
+    jax = {"KERAS_BACKEND": "jax"}
+    single = train(tmp_path, "single", [sys.executable], "train_keras.py", env_extra=jax)
+    parallel = train(tmp_path, "parallel", [sys.executable], "train_keras.py",
+                     ["--distributed"], env_extra=jax)
+    assert (single["replicas"], parallel["replicas"]) == (1, 2)
+    assert single["backend"] == parallel["backend"] == "jax"
+    assert_same_training(parallel, single, "DataParallel")

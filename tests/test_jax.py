@@ -44,6 +44,40 @@ def test_vmap_forward_and_per_example_grads(index, rng):
         assert rel_err(np.asarray(per_example[i]), np.asarray(jax.grad(loss)(x[i]))) <= 1e-6
 
 
+@pytest.mark.parametrize("index", range(4), ids=["relu_scale", "layer_norm", "rms_norm",
+                                                 "linear_gelu"])
+def test_inside_shard_map(index, rng):
+    """Inside shard_map each device calls the op on its block of rows, forward and gradient;
+    (the sharding of jit's own partitioner: test_ops.test_jax_sharded_rows)."""
+    from jax.sharding import PartitionSpec as P
+    cpus = jax.devices("cpu")
+    if len(cpus) < 2:
+        pytest.skip("needs two JAX CPU devices (conftest's XLA_FLAGS)")
+    mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("rows",))
+    name, fn, x = _ops(rng)[index]
+    grad = jax.grad(lambda x: (fn(x) ** 2).sum())
+    for f in (fn, grad):
+        split = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("rows"), out_specs=P("rows")))
+        assert rel_err(np.asarray(split(x)), np.asarray(jax.jit(f)(x))) <= 1e-6, name
+
+
+def test_parameter_gradient_inside_shard_map(rng):
+    """A parameter replicated across shard_map's devices gets the gradient summed over them, as
+    jnp's own ops give it."""
+    from jax.sharding import PartitionSpec as P
+    cpus = jax.devices("cpu")
+    if len(cpus) < 2:
+        pytest.skip("needs two JAX CPU devices (conftest's XLA_FLAGS)")
+    mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("rows",))
+    x = jnp.asarray(rng.normal((6, 7)), jnp.float32)
+    w, b = jnp.asarray(rng.normal(7), jnp.float32), jnp.asarray(rng.normal(7), jnp.float32)
+    grad = jax.grad(lambda x, w, b: (flj.layer_norm(x, 7, w, b) ** 2).sum(), argnums=(1, 2))
+    split = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(P("rows"), P(), P()),
+                                  out_specs=P()))
+    for got, want in zip(split(x, w, b), jax.jit(grad)(x, w, b)):
+        assert rel_err(np.asarray(got), np.asarray(want)) <= 1e-6
+
+
 def test_vmap_over_parameters(rng):
     """A batch of weights (one per example) is not folded into the rows."""
     x = jnp.asarray(rng.normal((3, 5, 7)), jnp.float32)
@@ -78,6 +112,7 @@ def test_float16_and_bfloat16_parameters_of_float32(rng):
 KERAS_SCRIPT = textwrap.dedent("""
     import numpy as np, keras, jax
     import fusedlayers.keras as flk
+    jax.config.update("jax_default_matmul_precision", "highest")  # Dense's own dot: no TF32
     assert keras.backend.backend() == "jax"
     rng = np.random.default_rng({seed})
     x = rng.normal(size=(4, 6, 8)).astype("float32")

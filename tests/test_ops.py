@@ -350,6 +350,70 @@ def test_jax(op, s, dtype, device, rng, jax):
     check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"JAX {op.name} {s.id}")
 
 
+def _sharded_samples():
+    """Each op's samples with rows (nonempty, contiguous), their first dim doubled so that it
+    splits over two devices."""
+    out = []
+    for op in OP_DB:
+        for s in op.samples:
+            x = s.shapes["x"]
+            rows = len(x) - len(s.kwargs.get("normalized_shape", ())) if op.name.endswith(
+                "norm") else len(x) - 1 if op.name == "linear_gelu" else min(len(x), 1)
+            if s.layout != "contiguous" or s.cuda_only or rows < 1 or s.numel() == 0:
+                continue
+            s2 = dataclasses.replace(s, id=f"{s.id}-rows-split", shapes={
+                **s.shapes, "x": (2 * x[0], *x[1:])})
+            out.append(pytest.param(op, s2, rows, id=f"{op.name}-{s2.id}"))
+    return out
+
+
+@pytest.mark.parametrize("op,s,rows", _sharded_samples())
+def test_jax_sharded_rows(op, s, rows, rng, jax):
+    """Under jit with x (and dy) split over two devices by their first dim, the op runs on each
+    device's rows: its results are the unsplit call's (bitwise for y and dx, which each row
+    computes alone, where the op is csrc's alone; XLA's dots of linear_gelu and parameter
+    gradients summed across devices within float32 rounding), with
+    no all-gather in the compiled program, except where relu_scale's mask would split a word."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    cpus = jax.devices("cpu")
+    if len(cpus) < 2:
+        pytest.skip("needs two JAX CPU devices (conftest sets "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts)")
+    mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("rows",))
+    leaves = rounded(draw(op, s, rng), s, "float32")
+    _, dy, scales = reference64(op, s, leaves, rng)
+    present = [n for n, v in leaves.items() if v is not None]
+
+    def forward_and_grads(dy, *ts):
+        y, vjp = jax.vjp(lambda *ts: getattr(fl, op.name)(
+            **{**leaves, **dict(zip(present, ts))}, **s.kwargs), *ts)
+        return y, vjp(dy.astype(y.dtype))
+
+    split, whole = NamedSharding(mesh, P("rows")), NamedSharding(mesh, P())
+    args = [_jax_array(jax, dy)] + [_jax_array(jax, leaves[n]) for n in present]
+    placed = [jax.device_put(a, split if i < 2 else whole) for i, a in enumerate(args)]
+    fn = jax.jit(forward_and_grads)
+    with jax.default_device(cpus[0]):
+        y, grads = fn(*args)
+    ys, grads_s = fn(*placed)
+    hlo = fn.lower(*placed).compile().as_text()
+    got = {"y": ys, **{f"d{n}": g for n, g in zip(present, grads_s)}}
+    want = {"y": y, **{f"d{n}": g for n, g in zip(present, grads)}}
+    for name in ("y", "dx") if op.bitwise_parity else ():  # linear_gelu's dots are XLA's
+        assert np.asarray(got[name]).tobytes() == np.asarray(want[name]).tobytes(), (
+            f"{name} differs when x's rows are split ({rng})")
+    for name in got:
+        err = rel_err(torch.from_numpy(np.asarray(got[name], np.float64)),
+                      torch.from_numpy(np.asarray(want[name], np.float64)), scales.get(name))
+        assert err <= 1e-6, f"{name}: {err:.2e} ({rng})"
+    per_row = int(np.prod(s.shapes["x"][rows:]))
+    if op.name == "relu_scale" and per_row % 32:
+        return  # the mask's words would straddle the devices: x is gathered, as documented
+    assert "all-gather" not in hlo, f"x was gathered:\n{hlo[:4000]}"
+    assert ys.sharding.spec[:1] == P("rows")[:1], ys.sharding
+
+
 @pytest.mark.parametrize("op,s,dtype,device", cases(["float32", "bfloat16"], contiguous_only=True))
 def test_jax_parity(op, s, dtype, device, rng, jax):
     """The same rounded inputs through torch's and JAX's fused ops, JAX eagerly: the ops of csrc
@@ -361,7 +425,8 @@ def test_jax_parity(op, s, dtype, device, rng, jax):
     dy = torch.from_numpy(np.asarray(rng.normal(
         getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves["x"].dtype)
     a = run_torch(getattr(fl, op.name), s, leaves, dy)
-    b = run_jax(jax, op, s, leaves, dy, compiled=False)
+    with jax.default_device(jax.devices("cpu")[0]):  # torch ran on the CPU: the same kernels
+        b = run_jax(jax, op, s, leaves, dy, compiled=False)
     assert set(a) == set(b)
     for name in a:
         x, y = np64(a[name]), np64(b[name])

@@ -13,6 +13,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..errors import NotBuiltError
 from . import _library
@@ -43,13 +47,201 @@ def prepare(op: str, **tensors) -> list:
             raise TypeError(f"fusedlayers.{op}: {name} must be float32, float64, float16 or "
                             f"bfloat16, got {t.dtype}")
         out.append(t)
-    return out
+    # Inside shard_map: a parameter the same on every device (invariant) meets rows that vary
+    # across them, as in any jnp expression of both, so its gradient is the sum over devices.
+    varying = [_varying(t) for t in out]
+    every = set().union(*varying)
+    return [t if t is None or v == every else
+            jax.lax.pcast(t, tuple(sorted(every - v)), to="varying")
+            for t, v in zip(out, varying)]
 
 
-def call(target: str, results, *operands, vmap_method: str = "sequential", **attributes):
-    """The custom call fusedlayers_<target> on operands; results: jax.ShapeDtypeStruct(s)."""
-    return jax.ffi.ffi_call(f"fusedlayers_{target}", results, vmap_method=vmap_method)(
-        *operands, **attributes)
+def _varying(t) -> set:
+    """The shard_map axes over which t varies (none outside shard_map)."""
+    if t is None:
+        return set()
+    return set(getattr(getattr(jax.typeof(t), "manual_axis_type", None), "varying", ()))
+
+
+def call(target: str, results, *operands, roles: str, rows: int, workspace: tuple | None = None,
+         **attributes):
+    """The custom call fusedlayers_<target> on operands, as XLA sees one op that works row by
+    row. results: jax.ShapeDtypeStruct(s) for the operands' shapes. roles, as "<operands>-><results>",
+    one letter each:
+      x  the op's rows: `rows` leading dims, then the dims the op works over (its first x operand
+         is `x` below);
+      r  x's row dims only (the norms' statistics);
+      p  whole, in every row (parameters, empty stand-ins);
+      s  a result summed over all rows (a parameter's gradient);
+      m  relu_scale's mask: x's elements packed 32 to a 32-bit word.
+    workspace: (kind, cols), a scratch result sized from x viewed as rows x cols, not returned.
+
+    Under jit with x's row dims sharded (and a row's elements a multiple of 32 where there is a
+    mask) each device runs the call on its own rows, its `s` results summed across them: no
+    input is gathered. Under vmap the mapped axis becomes one more row dim where that is the
+    same computation (no mapped `p` operand, no `s` result, masks of whole words), else the
+    call runs once per mapped index."""
+    single = isinstance(results, jax.ShapeDtypeStruct)
+    spec = _RowSpec(target, tuple(results) if not single else (results,), roles, rows, workspace,
+                    attributes)
+    out = spec.function()(*operands)
+    return out[0] if single else out
+
+
+class _RowSpec:
+    """One row-wise custom call: its local form, its sharding and its batching."""
+
+    def __init__(self, target, results, roles, rows, workspace, attributes):
+        self.target, self.results, self.rows = target, results, rows
+        self.workspace, self.attributes = workspace, attributes
+        self.in_roles, self.out_roles = roles.split("->")
+        self.ix = self.in_roles.index("x")
+
+    def local_results(self, x) -> list:
+        """The results' shapes for this x (the whole array, one device's rows or a batch)."""
+        out = []
+        for role, r in zip(self.out_roles, self.results):
+            shape = {"x": x.shape, "r": x.shape[:self.rows], "m": ((x.size + 31) // 32,)}.get(
+                role, r.shape)
+            out.append(jax.ShapeDtypeStruct(shape, r.dtype))
+        if self.workspace is not None:
+            kind, cols = self.workspace
+            rows = x.size // cols if cols else 0
+            size = lib.fusedlayers_xla_workspace_size(kind, rows, cols,
+                                                      _CSRC_DTYPES[jnp.dtype(x.dtype)])
+            out.append(jax.ShapeDtypeStruct((size,), jnp.uint8))
+        return out
+
+    def local(self, *operands):
+        out = jax.ffi.ffi_call(f"fusedlayers_{self.target}",
+                               self.local_results(operands[self.ix]))(*operands,
+                                                                      **self.attributes)
+        out = out[:len(self.out_roles)]
+        # Inside shard_map the results vary over the axes the operands vary over.
+        varying = set().union(*map(_varying, operands))
+        if varying:
+            out = [jax.lax.pcast(o, tuple(sorted(varying)), to="varying") for o in out]
+        return tuple(out)
+
+    def function(self):
+        partitioned = custom_partitioning(self.local)
+        partitioned.def_partition(self.partition, sharding_rule=self.sharding_rule)
+        batched = custom_vmap(lambda *ops: partitioned(*ops))
+        batched.def_vmap(self.vmap)
+        return batched
+
+    def _mask_words_per_row(self, x_shape):
+        """A mask's words per row of x, or None where a row is not whole words."""
+        per_row = math.prod(x_shape[self.rows:])
+        return per_row // 32 if per_row % 32 == 0 else None
+
+    def sharding_rule(self, mesh, operand_types, result_types):
+        """Shardy's rule: factors r<i> for the row dims, c<j> for the dims the op works over
+        (never split), one factor of its own for each dim of the rest (never split)."""
+        replicated, sizes = [], {}
+        rows = [f"r{i}" for i in range(self.rows)]
+        words = self._mask_words_per_row(operand_types[self.ix].shape)
+        if words is None and "m" in self.in_roles + self.out_roles:
+            replicated += rows  # a mask not split by rows: every device needs all of it
+        count = iter(range(1 << 30))
+
+        def factors(role, ndim):
+            if role == "x":
+                cols = [f"c{j}" for j in range(ndim - self.rows)]
+                replicated.extend(c for c in cols if c not in replicated)
+                return " ".join(rows + cols)
+            if role == "r":
+                return " ".join(rows)
+            if role == "m" and words is not None:
+                sizes["w"] = words
+                return "(" + " ".join(rows + ["w"]) + ")"
+            own = [f"u{next(count)}" for _ in range(ndim)]
+            replicated.extend(own)
+            return " ".join(own)
+
+        ins = [factors(r, len(t.shape)) for r, t in zip(self.in_roles, operand_types)]
+        outs = [factors(r, len(t.shape)) for r, t in zip(self.out_roles, result_types)]
+        return (", ".join(ins) + " -> " + ", ".join(outs),
+                {"need_replication_factors": tuple(replicated), **sizes})
+
+    def partition(self, mesh, arg_shapes, result_shape):
+        x = arg_shapes[self.ix]
+        spec = tuple(x.sharding.spec) + (None,) * x.ndim
+        row_spec = []
+        for d in range(self.rows):
+            axes = spec[d]
+            n = math.prod(mesh.shape[a] for a in _axes(axes))
+            row_spec.append(axes if axes is not None and x.shape[d] % n == 0 else None)
+        if "m" in self.in_roles + self.out_roles and self._mask_words_per_row(x.shape) is None:
+            row_spec = [None] * self.rows
+        axes = tuple(a for s in row_spec for a in _axes(s))
+
+        def sharding(role, ndim):
+            if role == "x":
+                return NamedSharding(mesh, P(*row_spec, *([None] * (ndim - self.rows))))
+            if role == "r":
+                return NamedSharding(mesh, P(*row_spec))
+            if role == "m":
+                return NamedSharding(mesh, P(axes or None))
+            return NamedSharding(mesh, P())
+
+        results = jax.tree.leaves(result_shape)
+        arg_shardings = tuple(sharding(r, len(a.shape)) for r, a in zip(self.in_roles, arg_shapes))
+        result_shardings = tuple(sharding(r, len(a.shape))
+                                 for r, a in zip(self.out_roles, results))
+
+        def lower(*operands):
+            out = self.local(*operands)
+            return tuple(jax.lax.psum(o, axes) if role == "s" and axes else o
+                         for role, o in zip(self.out_roles, out))
+
+        return mesh, lower, result_shardings, arg_shardings
+
+    def vmap(self, axis_size, in_batched, *operands):
+        """Folds the mapped axis into the rows where that is the same computation."""
+        x = operands[self.ix]
+        per_index = math.prod(x.shape[1:]) if in_batched[self.ix] else x.size
+        fold = (not any(b and r == "p" for b, r in zip(in_batched, self.in_roles))
+                and "s" not in self.out_roles
+                and ("m" not in self.in_roles + self.out_roles or per_index % 32 == 0))
+        if not fold:
+            def one(batched):
+                it = iter(batched)
+                return call(self.target, self.results, *(next(it) if b else o for b, o in
+                                                         zip(in_batched, operands)),
+                            roles=f"{self.in_roles}->{self.out_roles}", rows=self.rows,
+                            workspace=self.workspace, **self.attributes)
+            out = jax.lax.map(one, [o for b, o in zip(in_batched, operands) if b])
+            return tuple(out), (True,) * len(out)
+        folded = []
+        for b, role, o in zip(in_batched, self.in_roles, operands):
+            if role in "xr" and not b:
+                o = jnp.broadcast_to(o, (axis_size, *o.shape))
+            elif role == "m":
+                o = o.reshape(-1) if b else jnp.tile(o, axis_size)
+            folded.append(o)
+        results = tuple(
+            jax.ShapeDtypeStruct((axis_size, *r.shape) if role in "xr" else
+                                 (axis_size * r.shape[0],) if role == "m" else r.shape, r.dtype)
+            for role, r in zip(self.out_roles, self.results))
+        out = call(self.target, results, *folded, roles=f"{self.in_roles}->{self.out_roles}",
+                   rows=self.rows + 1, workspace=self.workspace, **self.attributes)
+        out = out if isinstance(out, tuple) else (out,)
+        unbatch = []
+        for role, o in zip(self.out_roles, out):
+            if role == "m":
+                o = o.reshape(axis_size, -1)
+            elif role == "p":
+                o = jnp.broadcast_to(o, (axis_size, *o.shape))
+            unbatch.append(o)
+        return tuple(unbatch), (True,) * len(unbatch)
+
+
+def _axes(spec_entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry."""
+    if spec_entry is None:
+        return ()
+    return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
 
 
 def like(t) -> jax.ShapeDtypeStruct:
@@ -69,12 +261,3 @@ def absent(dtype):
 
 def shape_attr(shape) -> np.ndarray:
     return np.asarray(shape, np.int64)
-
-
-def workspace(kind: int, x, cols: int) -> jax.ShapeDtypeStruct:
-    """The `workspace` result of a backward custom call over x viewed as rows x cols: the bytes
-    the CUDA pass needs (none in a build without CUDA handlers; the CPU handlers use host memory
-    of their own)."""
-    rows = math.prod(x.shape) // cols if cols else 0
-    size = lib.fusedlayers_xla_workspace_size(kind, rows, cols, _CSRC_DTYPES[jnp.dtype(x.dtype)])
-    return jax.ShapeDtypeStruct((size,), jnp.uint8)

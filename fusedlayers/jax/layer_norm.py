@@ -50,6 +50,7 @@ def _forward(x, weight, bias, shape, eps, rms_scaling):
     return _op.call("layer_norm_forward", (_op.like(x), stats, stats), x,
                     _op.absent(pdt) if weight is None else weight,
                     _op.absent(pdt) if bias is None else bias,
+                    roles="xpp->xrr", rows=len(stats.shape),
                     normalized_shape=_op.shape_attr(shape), eps=np.float32(eps),
                     has_weight=weight is not None, has_bias=bias is not None,
                     rms_scaling=rms_scaling)
@@ -69,10 +70,10 @@ def _layer_norm_bwd(shape, eps, rms_scaling, saved, dy):
     x, mean, rstd, weight, bias = saved
     pdt = _param_dtype(x, weight, bias)
     param = lambda t: _op.absent(pdt) if t is None else t  # noqa: E731
-    dx, dweight, dbias, _ = _op.call(
-        "layer_norm_backward", (_op.like(x), _op.like(param(weight)), _op.like(param(bias)),
-                                _op.workspace(_op.NORM, x, math.prod(shape))),
-        dy, x, mean, rstd, param(weight), param(bias), normalized_shape=_op.shape_attr(shape),
+    dx, dweight, dbias = _op.call(
+        "layer_norm_backward", (_op.like(x), _op.like(param(weight)), _op.like(param(bias))),
+        dy, x, mean, rstd, param(weight), param(bias), roles="xxrrpp->xss", rows=mean.ndim,
+        workspace=(_op.NORM, math.prod(shape)), normalized_shape=_op.shape_attr(shape),
         has_weight=weight is not None, has_bias=bias is not None, rms_scaling=rms_scaling)
     return dx, None if weight is None else dweight, None if bias is None else dbias
 

@@ -53,7 +53,8 @@ def _forward(x2, w, bias, approximate, transpose, with_pre):
     rows_cols = _op.like(h)
     pre = rows_cols if with_pre else jax.ShapeDtypeStruct((0,), h.dtype)
     return _op.call("linear_gelu_forward", (pre, rows_cols), h,
-                    _op.absent(h.dtype) if bias is None else bias, has_bias=bias is not None,
+                    _op.absent(h.dtype) if bias is None else bias,
+                    roles="xp->xx" if with_pre else "xp->px", rows=1, has_bias=bias is not None,
                     approximate=approximate, with_pre=with_pre)
 
 
@@ -70,10 +71,10 @@ def _linear_gelu_fwd(x2, w, bias, approximate, transpose):
 def _linear_gelu_bwd(approximate, transpose, saved, dy):
     x2, w, pre, has_bias = saved
     dbias_shape = (pre.shape[1],) if has_bias else (0,)
-    dpre, dbias, _ = _op.call("linear_gelu_backward",
-                              (_op.like(pre), jax.ShapeDtypeStruct(dbias_shape, pre.dtype),
-                               _op.workspace(_op.EPILOGUE, pre, pre.shape[1])), dy, pre,
-                              has_bias=has_bias, approximate=approximate)
+    dpre, dbias = _op.call("linear_gelu_backward",
+                           (_op.like(pre), jax.ShapeDtypeStruct(dbias_shape, pre.dtype)), dy, pre,
+                           roles="xx->xs", rows=1, workspace=(_op.EPILOGUE, pre.shape[1]),
+                           has_bias=has_bias, approximate=approximate)
     dx = _dot(dpre, w, not transpose)  # dpre (m, out) @ W (out, in)
     dw = _dot(dpre.T, x2) if transpose else _dot(x2.T, dpre)  # in W's layout
     return dx, dw, dbias if has_bias else None
@@ -83,7 +84,8 @@ _linear_gelu.defvjp(_linear_gelu_fwd, _linear_gelu_bwd)
 
 
 def bench_case(shape, dtype) -> Case:
-    """Against XLA's dot + bias + jax.nn.gelu (erf), as flax's Dense with a GELU would run."""
+    """Against XLA's dot + bias + jax.nn.gelu (erf), as flax's Dense with a GELU would run (its
+    dot in x's dtype, at the precision of ours: full float32, no TF32)."""
     m, k, n = shape
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (m, k), dtype)
@@ -91,5 +93,6 @@ def bench_case(shape, dtype) -> Case:
     b = jax.random.normal(keys[2], (n,), dtype)
     flops = 2 * m * n * k
     return Case(lambda x, w, b: linear_gelu(x, w, b),
-                lambda x, w, b: jax.nn.gelu(_dot(x, w, True) + b, approximate=False), [x, w, b],
+                lambda x, w, b: jax.nn.gelu(jax.numpy.matmul(x, w.T, precision=_HIGHEST) + b,
+                                            approximate=False), [x, w, b],
                 {"fwd": flops, "fwd+bwd": 3 * flops})

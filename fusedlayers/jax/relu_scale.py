@@ -26,10 +26,10 @@ def relu_scale(x, alpha: float) -> jax.Array:
 
 def _forward(x, alpha: float, with_mask: bool):
     words = (x.size + 31) // 32 if with_mask else 0
-    # Elementwise: batching adds rows; the mask packs all of them, so with it, one call each.
+    # Elementwise: its rows are x's leading dim (one contiguous part of x, and of its mask).
     return _op.call("relu_scale_forward", (_op.like(x), jax.ShapeDtypeStruct((words,), jnp.uint32)),
-                    x, alpha=np.float32(alpha), with_mask=with_mask,
-                    vmap_method="sequential" if with_mask else "broadcast_all")
+                    x, roles="x->xm" if with_mask else "x->xp", rows=min(x.ndim, 1),
+                    alpha=np.float32(alpha), with_mask=with_mask)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -42,7 +42,8 @@ def _relu_scale_fwd(x, alpha):
 
 
 def _relu_scale_bwd(alpha, mask, dy):
-    return (_op.call("relu_scale_backward", _op.like(dy), dy, mask, alpha=np.float32(alpha)),)
+    return (_op.call("relu_scale_backward", _op.like(dy), dy, mask, roles="xm->x",
+                     rows=min(dy.ndim, 1), alpha=np.float32(alpha)),)
 
 
 _relu_scale.defvjp(_relu_scale_fwd, _relu_scale_bwd)

@@ -35,7 +35,7 @@ def _forward(x, weight, shape, eps, zero_centered):
     stats = jax.ShapeDtypeStruct(x.shape[:max(x.ndim - len(shape), 0)], _op.stat_dtype(x))
     return _op.call("rms_norm_forward", (_op.like(x), stats), x,
                     _op.absent(x.dtype) if weight is None else weight,
-                    normalized_shape=_op.shape_attr(shape), eps=np.float32(eps),
+                    roles="xp->xr", rows=len(stats.shape), normalized_shape=_op.shape_attr(shape), eps=np.float32(eps),
                     has_weight=weight is not None, zero_centered=zero_centered)
 
 
@@ -52,9 +52,9 @@ def _rms_norm_fwd(x, weight, shape, eps, zero_centered):
 def _rms_norm_bwd(shape, eps, zero_centered, saved, dy):
     x, rstd, weight = saved
     w = _op.absent(x.dtype) if weight is None else weight
-    dx, dweight, _ = _op.call("rms_norm_backward",
-                              (_op.like(x), _op.like(w),
-                               _op.workspace(_op.NORM, x, math.prod(shape))), dy, x, rstd, w,
+    dx, dweight = _op.call("rms_norm_backward", (_op.like(x), _op.like(w)), dy, x, rstd, w,
+                           roles="xxrp->xs", rows=rstd.ndim,
+                           workspace=(_op.NORM, math.prod(shape)),
                            normalized_shape=_op.shape_attr(shape), has_weight=weight is not None,
                            zero_centered=zero_centered)
     return dx, None if weight is None else dweight

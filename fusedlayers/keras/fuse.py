@@ -3,7 +3,7 @@ each layer that a fused layer replaces with the same config and weights (its `fu
 `LayerNormalization` -> `LayerNorm`, `RMSNormalization` -> `RMSNorm`) swapped, and its `Dense`
 layers with a GELU activation as `FusedLinearGELU`, the weights copied. The GELU is recognised
 by what the activation computes
-(erf or tanh GELU on a float64 probe from -100 to 100), not by its name; each swapped layer is
+(erf or tanh GELU on a float64 probe from -100 to 100, float32 on JAX without x64), not by its name; each swapped layer is
 checked against the original on a probe input and, if it differs, left as it was and reported,
 as is the whole model's output. The report is `clone.fusedlayers_report`.
 """
@@ -83,17 +83,25 @@ def fuse(model: keras.Model, *, verbose: bool = False, **enabled: bool) -> keras
 def _gelu_form(activation) -> str | None:
     """'none' or 'tanh' when `activation` computes erf or tanh GELU, else None."""
     x = np.concatenate([np.linspace(-8, 8, 513), [-100.0, -20.0, 20.0, 100.0]])
+    # float64 where the backend has it (JAX only with jax_enable_x64).
+    dtype = "float32" if keras.backend.backend() == "jax" and not _jax_x64() else "float64"
     try:
-        y = keras.ops.convert_to_numpy(activation(keras.ops.convert_to_tensor(x, "float64")))
+        y = keras.ops.convert_to_numpy(activation(keras.ops.convert_to_tensor(x, dtype)))
     except Exception:  # not an elementwise function of one tensor
         return None
     erf = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
     tanh = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    # TensorFlow's float64 GELU is within 5e-9 of exact; erf and tanh differ by 5e-4.
+    tol = 1e-7 if dtype == "float64" else 1e-5
     for form, ref in (("none", erf), ("tanh", tanh)):
-        # TensorFlow's float64 GELU is within 5e-9 of exact; erf and tanh differ by 5e-4.
-        if y.shape == x.shape and np.allclose(y, ref, rtol=1e-7, atol=1e-7):
+        if y.shape == x.shape and np.allclose(y, ref, rtol=tol, atol=tol):
             return form
     return None
+
+
+def _jax_x64() -> bool:
+    import jax
+    return bool(jax.config.jax_enable_x64)
 
 
 def _swap(layer, swaps, excluded, left, replacements, linear_gelu):
