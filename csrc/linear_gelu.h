@@ -109,6 +109,12 @@ size_t linear_gelu_backward_workspace_size(const LinearGeluBackward& a, GemmSize
 void linear_gelu_backward(const LinearGeluBackward& a, GemmSizes s, const Exec& exec,
                           const GemmContext& gemm);
 
+// For a binding whose framework lends no cuBLASLt handle and workspace (XLA): one handle for the
+// process, created on first use and kept for its life, and the workspace to give it (cuBLAS'
+// recommended size on Hopper).
+cublasLtHandle_t linear_gelu_lt_handle();
+constexpr size_t kLinearGeluLtWorkspaceBytes = size_t(32) << 20;
+
 // The CUDA passes (linear_gelu_cuda.cu).
 void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtContext& lt);
 size_t linear_gelu_backward_workspace_size_cuda(GemmSizes s, DType dtype);

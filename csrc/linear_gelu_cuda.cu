@@ -206,6 +206,15 @@ void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtC
   linear_gelu_epilogue_forward_cuda(h, nullptr, nullptr, y, m, n, approx, dtype, lt.stream);  // h holds pre
 }
 
+cublasLtHandle_t linear_gelu_lt_handle() {
+  static const cublasLtHandle_t handle = [] {  // initialised once, thread-safely
+    cublasLtHandle_t h = nullptr;
+    check(cublasLtCreate(&h), "cublasLtCreate");
+    return h;
+  }();
+  return handle;
+}
+
 size_t linear_gelu_backward_workspace_size_cuda(GemmSizes s, DType dtype) {
   const int64_t m = s.m, n = s.n;
   const size_t dpre = (size_t(m * n) * dtype_size(dtype) + 255) / 256 * 256;

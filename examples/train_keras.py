@@ -176,7 +176,9 @@ def save_plot(path: str, unfused: dict, fused: dict) -> None:
         bottom.plot(zeros, [0] * len(zeros), "v", color="tab:green", clip_on=False,
                     transform=bottom.get_xaxis_transform(), label="exactly equal")
     bottom.axhline(LOSS_RTOL, color="black", linestyle=":", label=f"tolerance {LOSS_RTOL:.0e}")
-    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log")
+    nonzero = [r for r in rel if r > 0]
+    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log",
+               ylim=(min(nonzero + [LOSS_RTOL]) / 10, LOSS_RTOL * 10))
     bottom.legend()
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
     for ax in (top, bottom):

@@ -37,9 +37,10 @@ CUDA_LIBRARIES = ["cublasLt"]
 # Ampere and Hopper, when TORCH_CUDA_ARCH_LIST is unset (a GPU-less host cannot detect one).
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 # The whole linear_gelu op (its passes call the framework's GEMMs on the CPU and cuBLASLt on
-# CUDA): only the torch extension has it. TF's linear_gelu runs TF's matmul around csrc's epilogue
-# op, so the TF op library needs no cuBLAS.
-GEMM_SOURCES = {"linear_gelu_op.cpp", "linear_gelu_cuda.cu"}
+# CUDA) and its XLA handlers on cuBLASLt: the torch extension and the JAX library's CUDA build
+# have it. TF's linear_gelu runs TF's matmul around csrc's epilogue op, so the TF op library needs
+# no cuBLAS.
+GEMM_SOURCES = {"linear_gelu_op.cpp", "linear_gelu_cuda.cu", "linear_gelu_cublaslt.cc"}
 
 
 def torch_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
@@ -96,20 +97,21 @@ def gencode_flags(arch_list: str) -> list[str]:
     return flags
 
 
-def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False) -> list[Path]:
-    """The csrc kernels but the whole linear_gelu op (GEMM_SOURCES), and the binding folder
-    backends/<binding>: what the TF op library and the JAX library compile."""
+def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False,
+                    gemm: bool = False) -> list[Path]:
+    """The csrc kernels and the binding folder backends/<binding>: what the TF op library and
+    the JAX library compile; the whole linear_gelu op (GEMM_SOURCES) only with `gemm`."""
     suffix = {"tensorflow": "*.cc", "xla": "*.cc"}[binding]
     cu = [*root.glob("csrc/*.cu")] if cuda else []
     return sorted(p for p in [*root.glob("csrc/*.cpp"), *root.glob(f"backends/{binding}/{suffix}"),
-                              *cu] if p.name not in GEMM_SOURCES)
+                              *cu] if gemm or p.name not in GEMM_SOURCES)
 
 
 def tensorflow_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
     """The same csrc kernels, the TensorFlow binding and, for its XLA kernels' custom calls, the
     XLA FFI handlers, compiled into the TF op library."""
     return sorted(set(binding_sources("tensorflow", root, cuda)) |
-                  set(root.glob("backends/xla/*.cc")))
+                  {p for p in root.glob("backends/xla/*.cc") if p.name not in GEMM_SOURCES})
 
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],

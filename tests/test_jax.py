@@ -87,6 +87,22 @@ def test_vmap_over_parameters(rng):
         assert rel_err(np.asarray(out[i]), np.asarray(flj.layer_norm(x[i], 7, w[i]))) <= 1e-7
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_gelu_takes_a_keras_kernel(dtype, rng):
+    """dense_gelu with W stored (in, out), as Keras' Dense keeps it, equals linear_gelu with W
+    (out, in), forward and gradients (on CUDA both layouts run on cuBLASLt, read in place)."""
+    x = jnp.asarray(rng.normal((2, 5, 24)), dtype)
+    w = jnp.asarray(rng.normal((40, 24)) / 5, dtype)
+    b = jnp.asarray(rng.normal(40), dtype)
+    grad = lambda f: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda x, w, b: f(x, w, b).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    (y1, (dx1, dk, db1)) = grad(lambda x, k, b: flj.dense_gelu(x, k, b))(x, w.T, b)
+    (y2, (dx2, dw, db2)) = grad(lambda x, w, b: flj.linear_gelu(x, w, b))(x, w, b)
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for a, ref in ((y1, y2), (dx1, dx2), (dk, dw.T), (db1, db2)):
+        assert rel_err(np.asarray(a, np.float64), np.asarray(ref, np.float64)) <= tol
+
+
 def test_dispatch_on_tracers_and_other_frameworks(rng):
     x = jnp.asarray(rng.normal((2, 7)), jnp.float32)
     assert jax.jit(lambda x: fl.layer_norm(x, 7))(x).shape == (2, 7)  # a tracer dispatches
@@ -137,7 +153,8 @@ KERAS_SCRIPT = textwrap.dedent("""
     losses = fused.fit(x, y, epochs=5, verbose=0).history["loss"]
     assert losses[-1] < losses[0], losses
     lowered = jax.jit(lambda x: fused(x)).lower(x).as_text()
-    assert "fusedlayers_layer_norm_forward" in lowered and "fusedlayers_linear_gelu_forward" in lowered
+    # linear_gelu: the epilogue after XLA's dot, or on CUDA the whole op on cuBLASLt (_gemm_)
+    assert "fusedlayers_layer_norm_forward" in lowered and "fusedlayers_linear_gelu_" in lowered
     print("ok")
 """)
 

@@ -40,8 +40,13 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
         cuda, why = cuda_build()
         print(f"fusedlayers: {'building' if cuda else 'not building'} the JAX CUDA handlers "
               f"({why})")
-    _sources.build_library(output, _sources.binding_sources("xla", cuda=cuda),
-                           [f"-I{jax.ffi.include_dir()}", "-std=c++17"], [], cuda, verbose)
+    # With CUDA, also linear_gelu's cuBLASLt handlers, linked to the toolkit's cuBLASLt.
+    libs = [f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else []
+    if cuda:
+        libdir = Path(_sources.find_cuda_home()) / "lib64"
+        libs = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", *libs]
+    _sources.build_library(output, _sources.binding_sources("xla", cuda=cuda, gemm=cuda),
+                           [f"-I{jax.ffi.include_dir()}", "-std=c++17"], libs, cuda, verbose)
 
 
 def _jit_library() -> Path:
@@ -50,7 +55,7 @@ def _jit_library() -> Path:
     cuda, _ = cuda_build()
     verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
     return _sources.jit_library("jax_ops", f"{jax.__version__} cuda={cuda}",
-                                _sources.binding_sources("xla", cuda=cuda),
+                                _sources.binding_sources("xla", cuda=cuda, gemm=cuda),
                                 lambda path: build(path, verbose, cuda))
 
 
@@ -79,13 +84,18 @@ def load() -> ctypes.CDLL:
                             f"it with `{BUILD_COMMAND}`.") from e
     size.restype = ctypes.c_size_t
     size.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    for op in ops.NAMES:
-        for pass_ in PASSES:
-            for suffix, platform in PLATFORMS.items():
-                symbol = f"fusedlayers_xla_{op}_{pass_}_{suffix}"
-                if not hasattr(lib, symbol):  # CUDA handlers only in CUDA builds
-                    continue
-                jax.ffi.register_ffi_target(f"fusedlayers_{op}_{pass_}",
-                                            jax.ffi.pycapsule(getattr(lib, symbol)),
-                                            platform=platform)
+    targets = [f"{op}_{pass_}" for op in ops.NAMES for pass_ in PASSES]
+    targets += [f"linear_gelu_gemm_{pass_}" for pass_ in PASSES]  # CUDA builds only
+    for target in targets:
+        for suffix, platform in PLATFORMS.items():
+            symbol = f"fusedlayers_xla_{target}_{suffix}"
+            if not hasattr(lib, symbol):  # CUDA handlers only in CUDA builds
+                continue
+            jax.ffi.register_ffi_target(f"fusedlayers_{target}",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform=platform)
+    if hasattr(lib, "fusedlayers_xla_linear_gelu_gemm_workspace_size"):
+        gemm = lib.fusedlayers_xla_linear_gelu_gemm_workspace_size
+        gemm.restype = ctypes.c_size_t
+        gemm.argtypes = [ctypes.c_bool, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     return lib

@@ -29,7 +29,6 @@ except NotBuiltError as e:  # importing must not fail; the first call does
 
 FLOATS = (jnp.float32, jnp.float64, jnp.float16, jnp.bfloat16)
 _CSRC_DTYPES = {jnp.dtype(t): i for i, t in enumerate(FLOATS)}  # csrc's DType enum
-NORM, EPILOGUE = 0, 1  # the workspace kinds of fusedlayers_xla_workspace_size
 
 
 def prepare(op: str, **tensors) -> list:
@@ -63,18 +62,17 @@ def _varying(t) -> set:
     return set(getattr(getattr(jax.typeof(t), "manual_axis_type", None), "varying", ()))
 
 
-def call(target: str, results, *operands, roles: str, rows: int, workspace: tuple | None = None,
-         **attributes):
+def call(target: str, results, *operands, roles: str, rows: int, workspace=None, **attributes):
     """The custom call fusedlayers_<target> on operands, as XLA sees one op that works row by
     row. results: jax.ShapeDtypeStruct(s) for the operands' shapes. roles, as "<operands>-><results>",
     one letter each:
-      x  the op's rows: `rows` leading dims, then the dims the op works over (its first x operand
-         is `x` below);
+      x  the op's rows: `rows` leading dims (the same in each), then the dims the op works over
+         (its first x operand is `x` below);
       r  x's row dims only (the norms' statistics);
       p  whole, in every row (parameters, empty stand-ins);
       s  a result summed over all rows (a parameter's gradient);
       m  relu_scale's mask: x's elements packed 32 to a 32-bit word.
-    workspace: (kind, cols), a scratch result sized from x viewed as rows x cols, not returned.
+    workspace: x -> bytes, a scratch result the call needs for this x, not returned.
 
     Under jit with x's row dims sharded (and a row's elements a multiple of 32 where there is a
     mask) each device runs the call on its own rows, its `s` results summed across them: no
@@ -101,15 +99,11 @@ class _RowSpec:
         """The results' shapes for this x (the whole array, one device's rows or a batch)."""
         out = []
         for role, r in zip(self.out_roles, self.results):
-            shape = {"x": x.shape, "r": x.shape[:self.rows], "m": ((x.size + 31) // 32,)}.get(
-                role, r.shape)
+            shape = {"x": (*x.shape[:self.rows], *r.shape[self.rows:]), "r": x.shape[:self.rows],
+                     "m": ((x.size + 31) // 32,)}.get(role, r.shape)
             out.append(jax.ShapeDtypeStruct(shape, r.dtype))
         if self.workspace is not None:
-            kind, cols = self.workspace
-            rows = x.size // cols if cols else 0
-            size = lib.fusedlayers_xla_workspace_size(kind, rows, cols,
-                                                      _CSRC_DTYPES[jnp.dtype(x.dtype)])
-            out.append(jax.ShapeDtypeStruct((size,), jnp.uint8))
+            out.append(jax.ShapeDtypeStruct((self.workspace(x),), jnp.uint8))
         return out
 
     def local(self, *operands):
@@ -136,8 +130,8 @@ class _RowSpec:
         return per_row // 32 if per_row % 32 == 0 else None
 
     def sharding_rule(self, mesh, operand_types, result_types):
-        """Shardy's rule: factors r<i> for the row dims, c<j> for the dims the op works over
-        (never split), one factor of its own for each dim of the rest (never split)."""
+        """Shardy's rule: factors r<i> for the row dims, shared; a factor of its own for each
+        other dim (never split)."""
         replicated, sizes = [], {}
         rows = [f"r{i}" for i in range(self.rows)]
         words = self._mask_words_per_row(operand_types[self.ix].shape)
@@ -147,8 +141,8 @@ class _RowSpec:
 
         def factors(role, ndim):
             if role == "x":
-                cols = [f"c{j}" for j in range(ndim - self.rows)]
-                replicated.extend(c for c in cols if c not in replicated)
+                cols = [f"u{next(count)}" for _ in range(ndim - self.rows)]
+                replicated.extend(cols)
                 return " ".join(rows + cols)
             if role == "r":
                 return " ".join(rows)
@@ -242,6 +236,22 @@ def _axes(spec_entry) -> tuple:
     if spec_entry is None:
         return ()
     return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
+
+
+def workspace(kind: str, cols: int):
+    """The workspace (x -> bytes) of a backward pass over x viewed as rows x cols: the bytes the
+    CUDA pass needs (none in a build without CUDA handlers; the CPU handlers use host memory of
+    their own). kind: "norm" or "epilogue" (fusedlayers_xla_workspace_size)."""
+    def size(x):
+        rows = x.size // cols if cols else 0
+        return lib.fusedlayers_xla_workspace_size({"norm": 0, "epilogue": 1}[kind], rows, cols,
+                                                  csrc_dtype(x.dtype))
+    return size
+
+
+def csrc_dtype(dtype) -> int:
+    """csrc's DType enum value of a floating dtype."""
+    return _CSRC_DTYPES[jnp.dtype(dtype)]
 
 
 def like(t) -> jax.ShapeDtypeStruct:

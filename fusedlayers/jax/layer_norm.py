@@ -73,7 +73,7 @@ def _layer_norm_bwd(shape, eps, rms_scaling, saved, dy):
     dx, dweight, dbias = _op.call(
         "layer_norm_backward", (_op.like(x), _op.like(param(weight)), _op.like(param(bias))),
         dy, x, mean, rstd, param(weight), param(bias), roles="xxrrpp->xss", rows=mean.ndim,
-        workspace=(_op.NORM, math.prod(shape)), normalized_shape=_op.shape_attr(shape),
+        workspace=_op.workspace("norm", math.prod(shape)), normalized_shape=_op.shape_attr(shape),
         has_weight=weight is not None, has_bias=bias is not None, rms_scaling=rms_scaling)
     return dx, None if weight is None else dweight, None if bias is None else dbias
 

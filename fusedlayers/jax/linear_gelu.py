@@ -1,8 +1,11 @@
-"""Linear + GELU on JAX arrays: XLA's own dot, then the custom call fusedlayers_linear_gelu_forward
-(backends/xla/linear_gelu.cc: csrc's bias + GELU epilogue) under jax.custom_vjp, whose backward is
-the epilogue's gradient (with dbias) and XLA's dgrad and wgrad dots. Same contract as
-fusedlayers.torch.linear_gelu. The dots run at full float32 precision (no TF32), accumulating in
-float32 for half inputs, as the torch op's GEMMs."""
+"""Linear + GELU on JAX arrays under jax.custom_vjp. On the CPU: XLA's own dot, then the custom
+call fusedlayers_linear_gelu_forward (backends/xla/linear_gelu.cc: csrc's bias + GELU epilogue),
+whose backward is the epilogue's gradient (with dbias) and XLA's dgrad and wgrad dots. On CUDA
+(CUDA builds): the whole op on cuBLASLt as the torch extension runs it, GEMMs and epilogues
+(fusedlayers_linear_gelu_gemm_*, backends/xla/linear_gelu_cublaslt.cc), which is faster than
+XLA's dot with its own fused bias + GELU. Same contract as fusedlayers.torch.linear_gelu. The dots
+run at full float32 precision (no TF32), accumulating in float32 for half inputs, as the torch
+op's GEMMs."""
 
 from functools import partial
 
@@ -48,7 +51,43 @@ def _dot(a, b, transpose_b=False):
                                precision=_HIGHEST, preferred_element_type=acc).astype(a.dtype)
 
 
+def _cublaslt():
+    """Whether this build has the cuBLASLt handlers (CUDA builds)."""
+    return hasattr(_op.lib, "fusedlayers_xla_linear_gelu_gemm_workspace_size")
+
+
+def _by_platform(x2, xla, cublaslt):
+    """cublaslt() on CUDA where built (not float64, which cuBLASLt's path does not take), else
+    xla()."""
+    if not _cublaslt() or x2.dtype == jnp.float64:
+        return xla()
+    return jax.lax.platform_dependent(default=xla, cuda=cublaslt)
+
+
+def _gemm_workspace(backward: bool):
+    def size(x):  # x: the call's first row-wise operand, (m, k) or dy (m, n)
+        n = x.shape[-1]
+        return _op.lib.fusedlayers_xla_linear_gelu_gemm_workspace_size(
+            backward, x.size // n if n else 0, n, _op.csrc_dtype(x.dtype))
+    return size
+
+
 def _forward(x2, w, bias, approximate, transpose, with_pre):
+    return _by_platform(x2, lambda: _xla_forward(x2, w, bias, approximate, transpose, with_pre),
+                        lambda: _cublaslt_forward(x2, w, bias, approximate, transpose, with_pre))
+
+
+def _cublaslt_forward(x2, w, bias, approximate, transpose, with_pre):
+    y = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0] if transpose else w.shape[1]), x2.dtype)
+    pre = y if with_pre else jax.ShapeDtypeStruct((0,), x2.dtype)
+    return _op.call("linear_gelu_gemm_forward", (pre, y), x2, w,
+                    _op.absent(x2.dtype) if bias is None else bias,
+                    roles="xpp->xx" if with_pre else "xpp->px", rows=1,
+                    workspace=_gemm_workspace(False), has_bias=bias is not None,
+                    in_out=not transpose, approximate=approximate, with_pre=with_pre)
+
+
+def _xla_forward(x2, w, bias, approximate, transpose, with_pre):
     h = _dot(x2, w, transpose)
     rows_cols = _op.like(h)
     pre = rows_cols if with_pre else jax.ShapeDtypeStruct((0,), h.dtype)
@@ -70,14 +109,24 @@ def _linear_gelu_fwd(x2, w, bias, approximate, transpose):
 
 def _linear_gelu_bwd(approximate, transpose, saved, dy):
     x2, w, pre, has_bias = saved
-    dbias_shape = (pre.shape[1],) if has_bias else (0,)
+    dbias = jax.ShapeDtypeStruct((pre.shape[1],) if has_bias else (0,), pre.dtype)
+    dx, dw, db = _by_platform(
+        x2, lambda: _xla_backward(approximate, transpose, x2, w, pre, has_bias, dy, dbias),
+        lambda: _op.call("linear_gelu_gemm_backward", (_op.like(x2), _op.like(w), dbias),
+                         dy, x2, w, pre, roles="xxpx->xss", rows=1,
+                         workspace=_gemm_workspace(True), has_bias=has_bias,
+                         in_out=not transpose, approximate=approximate))
+    return dx, dw, db if has_bias else None
+
+
+def _xla_backward(approximate, transpose, x2, w, pre, has_bias, dy, dbias):
     dpre, dbias = _op.call("linear_gelu_backward",
-                           (_op.like(pre), jax.ShapeDtypeStruct(dbias_shape, pre.dtype)), dy, pre,
-                           roles="xx->xs", rows=1, workspace=(_op.EPILOGUE, pre.shape[1]),
+                           (_op.like(pre), dbias), dy, pre,
+                           roles="xx->xs", rows=1, workspace=_op.workspace("epilogue", pre.shape[1]),
                            has_bias=has_bias, approximate=approximate)
     dx = _dot(dpre, w, not transpose)  # dpre (m, out) @ W (out, in)
     dw = _dot(dpre.T, x2) if transpose else _dot(x2.T, dpre)  # in W's layout
-    return dx, dw, dbias if has_bias else None
+    return dx, dw, dbias
 
 
 _linear_gelu.defvjp(_linear_gelu_fwd, _linear_gelu_bwd)

@@ -54,7 +54,7 @@ def _rms_norm_bwd(shape, eps, zero_centered, saved, dy):
     w = _op.absent(x.dtype) if weight is None else weight
     dx, dweight = _op.call("rms_norm_backward", (_op.like(x), _op.like(w)), dy, x, rstd, w,
                            roles="xxrp->xs", rows=rstd.ndim,
-                           workspace=(_op.NORM, math.prod(shape)),
+                           workspace=_op.workspace("norm", math.prod(shape)),
                            normalized_shape=_op.shape_attr(shape), has_weight=weight is not None,
                            zero_centered=zero_centered)
     return dx, None if weight is None else dweight
