@@ -1,9 +1,10 @@
 """The examples under the frameworks' own distributed engines: `examples/train_torch.py
 --distributed ddp|fsdp` on two processes (torchrun: gloo on the CPU, NCCL on two GPUs) and
 `examples/train_keras.py --distributed` (tf.distribute.MirroredStrategy over two logical CPU
-devices; keras.distribution.DataParallel over two JAX CPU devices) pass the examples' own checks (fused against unfused), and their losses equal a
-single-process run on the same global batches up to summation order, to train_torch.py's bars:
-1e-5 in the first epoch, LOSS_RTOL after.
+devices; keras.distribution.DataParallel over two JAX CPU devices) pass the examples' own
+checks (fused against unfused), and their losses equal a single-process run on the same global
+batches up to summation order, to train_torch.py's bars: 1e-5 in the first epoch, LOSS_RTOL
+after.
 
 Why not 1e-5 in every epoch: the runs differ by the order of their weight-gradient sums (a
 halved batch per process; on GPUs also other GEMM kernels), which leaves their weights an ulp

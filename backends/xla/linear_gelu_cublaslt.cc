@@ -40,7 +40,8 @@ ffi::Error forward(Device& device, AnyBuffer x, AnyBuffer weight, AnyBuffer bias
   return call_csrc([&] {
     int64_t sizes[2];
     LinearGeluForward a{ref(x), weight_ref(weight, in_out, sizes), layout(in_out),
-                        ref(bias, has_bias), parse_gelu_approx("linear_gelu", std::string(approximate)),
+                        ref(bias, has_bias),
+                        parse_gelu_approx("linear_gelu", std::string(approximate)),
                         with_pre ? data(pre) : nullptr, data(y)};
     const GemmSizes s = linear_gelu_forward_check(a);
     linear_gelu_forward(a, s, device.exec(), {nullptr, lt_context(device, workspace, 0)});

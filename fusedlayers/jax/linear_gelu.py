@@ -122,7 +122,8 @@ def _linear_gelu_bwd(approximate, transpose, saved, dy):
 def _xla_backward(approximate, transpose, x2, w, pre, has_bias, dy, dbias):
     dpre, dbias = _op.call("linear_gelu_backward",
                            (_op.like(pre), dbias), dy, pre,
-                           roles="xx->xs", rows=1, workspace=_op.workspace("epilogue", pre.shape[1]),
+                           roles="xx->xs", rows=1,
+                           workspace=_op.workspace("epilogue", pre.shape[1]),
                            has_bias=has_bias, approximate=approximate)
     dx = _dot(dpre, w, not transpose)  # dpre (m, out) @ W (out, in)
     dw = _dot(dpre.T, x2) if transpose else _dot(x2.T, dpre)  # in W's layout

@@ -35,7 +35,8 @@ def _forward(x, weight, shape, eps, zero_centered):
     stats = jax.ShapeDtypeStruct(x.shape[:max(x.ndim - len(shape), 0)], _op.stat_dtype(x))
     return _op.call("rms_norm_forward", (_op.like(x), stats), x,
                     _op.absent(x.dtype) if weight is None else weight,
-                    roles="xp->xr", rows=len(stats.shape), normalized_shape=_op.shape_attr(shape), eps=np.float32(eps),
+                    roles="xp->xr", rows=len(stats.shape),
+                    normalized_shape=_op.shape_attr(shape), eps=np.float32(eps),
                     has_weight=weight is not None, zero_centered=zero_centered)
 
 
