@@ -7,16 +7,18 @@ Install with `pip install --no-build-isolation -e .`: the libraries compile agai
 and tensorflow already installed, which pip's isolated build environment would hide."""
 
 import importlib
+import os
+import shutil
 import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
+# Before TensorFlow loads (to build its library): its C++ start-up logs off, unless set.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(ROOT))
 from fusedlayers import __version__, _sources  # noqa: E402  (imports no framework)
-
-import os
 
 try:
     import torch
@@ -29,20 +31,50 @@ except ImportError:
 
 class BuildWithFrameworks(BuildExtension):
     """Builds the torch extension, then next to it the TF op library when tensorflow is
-    importable and the JAX library when jax is."""
+    importable and the JAX library when jax is; a library already built from the same sources,
+    flags and framework version is kept. What was built, and why anything was not, is printed
+    and kept in fusedlayers/_build.txt, which `python -m fusedlayers info` shows (pip hides a
+    build's output)."""
 
     def run(self):
+        self.summary = []
         super().run()
         package_dir = Path(self.get_ext_fullpath("fusedlayers._C")).parent
         for framework in ("tensorflow", "jax"):
             try:
                 __import__(framework)
             except ImportError as e:
-                print(f"fusedlayers: skipping the {framework} library: {framework} is not "
-                      f"importable ({e})")
+                self.summary.append(f"{framework} library: not built: {framework} is not "
+                                    f"importable ({e})")
+                print(f"fusedlayers: {self.summary[-1]}")
                 continue
             _library = importlib.import_module(f"fusedlayers.{framework}._library")
+            cuda_kernels, cuda_why = _library.cuda_build()
             _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
+            self.summary.append(f"{framework} library: built, "
+                                f"{'CPU and CUDA' if cuda_kernels else 'CPU'} kernels ({cuda_why})")
+        text = "".join(f"{line}\n" for line in self.summary)
+        (ROOT / "fusedlayers" / "_build.txt").write_text(text)
+        print("fusedlayers build:\n" + text, end="")
+
+    def build_extension(self, ext):
+        # Built into a (for pip, temporary) build directory, then copied into the checkout:
+        # the checkout's copy is the one that may already be up to date.
+        target = Path(self.get_ext_fullpath(ext.name))
+        in_tree = ROOT / "fusedlayers" / target.name
+        digest = _sources.sources_digest(
+            repr((torch.__version__, cuda, os.environ.get("TORCH_CUDA_ARCH_LIST"),
+                  ext.extra_compile_args, ext.extra_link_args)), [ROOT / s for s in ext.sources])
+        if _sources.up_to_date(in_tree, digest):
+            print(f"fusedlayers: {target.name} is up to date (built from these sources and flags)")
+            if target != in_tree:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(in_tree, target)
+        else:
+            super().build_extension(ext)
+            _sources.record_build(in_tree, digest)
+        self.summary.append(f"torch extension: built, {'CPU and CUDA' if cuda else 'CPU'} "
+                            f"kernels ({why})")
 
 
 cuda, why = _sources.use_cuda("torch", torch.version.cuda, CUDA_HOME, os.environ)

@@ -134,7 +134,7 @@ class Run:
     """One training run: model, AdamW, cosine LR schedule, its own shuffling generator (seeded
     alike for both runs, so both see the same batches) and its history."""
 
-    def __init__(self, name: str, model: nn.Module, args, n_train: int, position: int):
+    def __init__(self, name: str, model: nn.Module, args, n_train: int):
         self.name, self.model, self.batch_size = name, model, args.batch_size
         # eps 1e-6 rather than 1e-8: Adam divides by sqrt(v) + eps, which for near-zero
         # gradients would turn their rounding noise into full-size steps and so amplify the
@@ -144,12 +144,11 @@ class Run:
         steps = args.epochs * math.ceil(n_train / args.batch_size)
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=steps)
         self.order = torch.Generator().manual_seed(args.seed)
-        self.losses, self.accuracies, self.step_times = [], [], []
-        self.bar = tqdm(total=args.epochs, desc=f"{name:>7}", unit="epoch", position=position,
-                        disable=rank() != 0)
+        self.losses, self.accuracies, self.step_times, self.epoch_times = [], [], [], []
 
     def epoch(self, x_train, y_train, x_test, y_test) -> None:
         device = x_train.device
+        epoch_start = time.perf_counter()
         self.model.train()
         total = torch.zeros((), dtype=torch.float64, device=device)
         for batch in torch.randperm(len(x_train), generator=self.order).split(self.batch_size):
@@ -175,8 +174,7 @@ class Run:
         with torch.no_grad():
             correct = (self.model(x_test).argmax(dim=1) == y_test).float().mean().item()
         self.accuracies.append(correct)
-        self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}", acc=f"{correct:.3f}")
-        self.bar.update()
+        self.epoch_times.append(time.perf_counter() - epoch_start)
 
 
 def save_plot(path: str, unfused: Run, fused: Run, title: str, loss_rtol: float) -> None:
@@ -189,9 +187,15 @@ def save_plot(path: str, unfused: Run, fused: Run, title: str, loss_rtol: float)
     top.plot(epochs, fused.losses, "--", label="fused (fusedlayers)", linewidth=1.5)
     top.set(ylabel=f"train loss (label smoothing {LABEL_SMOOTHING})", yscale="log", title=title)
     top.legend()
-    bottom.plot(epochs, rel, "o-", markersize=3, color="tab:red")  # exact zeros are not drawn
+    bottom.plot(epochs, rel, "o-", markersize=3, color="tab:red", label="|difference| / loss")
+    zeros = [e for e, r in zip(epochs, rel) if r == 0]
+    if zeros:  # a log axis cannot show 0: marked on the bottom edge instead
+        bottom.plot(zeros, [0] * len(zeros), "v", color="tab:green", clip_on=False,
+                    transform=bottom.get_xaxis_transform(), label="exactly equal")
     bottom.axhline(loss_rtol, color="black", linestyle=":", label=f"tolerance {loss_rtol:.0e}")
-    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log")
+    nonzero = [r for r in rel if r > 0]
+    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log",
+               ylim=(min(nonzero + [loss_rtol]) / 10, loss_rtol * 10))
     bottom.legend()
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (top, bottom):
@@ -289,21 +293,24 @@ def compare(unfused_model: nn.Module, fused_model: nn.Module, args, data, title:
     run below MIN_ACCURACY, first-epoch losses further apart than FIRST_EPOCH_RTOL, loss curves
     further apart than loss_rtol)."""
     say(f"{'epoch':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10} "
-        f"{'unfused acc':>12} {'fused acc':>10}")
+        f"{'unfused acc':>12} {'fused acc':>10} {'unfused s':>10} {'fused s':>8}")
     device = data[0].device
     unfused = Run("unfused", distribute(unfused_model, args.distributed, device), args,
-                  len(data[0]), position=0)
-    fused = Run("fused", distribute(fused_model, args.distributed, device), args, len(data[0]),
-                position=1)
+                  len(data[0]))
+    fused = Run("fused", distribute(fused_model, args.distributed, device), args, len(data[0]))
+    # One bar for both runs, on a terminal only: in a log the table's line per epoch says it.
+    bar = tqdm(total=args.epochs, unit="epoch", leave=False,
+               disable=rank() != 0 or not sys.stderr.isatty())
     for epoch in range(1, args.epochs + 1):
         unfused.epoch(*data)
         fused.epoch(*data)
         ul, fl = unfused.losses[-1], fused.losses[-1]
         if rank() == 0:
-            tqdm.write(f"{epoch:>5} {ul:>13.6f} {fl:>13.6f} {abs(ul - fl):>10.2e} "
-                       f"{unfused.accuracies[-1]:>12.4f} {fused.accuracies[-1]:>10.4f}")
-    unfused.bar.close()
-    fused.bar.close()
+            bar.write(f"{epoch:>5} {ul:>13.6f} {fl:>13.6f} {abs(ul - fl):>10.2e} "
+                      f"{unfused.accuracies[-1]:>12.4f} {fused.accuracies[-1]:>10.4f} "
+                      f"{unfused.epoch_times[-1]:>10.2f} {fused.epoch_times[-1]:>8.2f}")
+        bar.update()
+    bar.close()
 
     # Median step time: robust to the first steps' warm-up and to bursts of background load.
     u_ms, f_ms = (1e3 * statistics.median(run.step_times) for run in (unfused, fused))

@@ -2,13 +2,17 @@
 JAX library) are built and usable, for which devices, and why not; `python -m fusedlayers bench` times fused
 against unfused ops (fusedlayers.bench)."""
 
-import argparse
-import importlib.util
 import os
-import platform
-import sys
 
-from fusedlayers.ops import NAMES as OPS
+# Before TensorFlow loads (its rows, info): its C++ start-up logs off, unless the user set them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+
+from fusedlayers.ops import NAMES as OPS  # noqa: E402
 
 
 def _torch_info() -> bool:
@@ -61,9 +65,24 @@ def _jax_info() -> bool:
     return True
 
 
+def _loaded(frameworks) -> str:
+    """One line: whether each of `frameworks` (those installed) has its fusedlayers library."""
+    parts = []
+    for framework in frameworks:
+        if importlib.util.find_spec(framework) is None:
+            continue
+        _op = importlib.import_module(f"fusedlayers.{framework}._op")
+        parts.append(f"{framework} {'loaded' if _op.LOAD_ERROR is None else 'NOT USABLE'}")
+    return "fusedlayers: " + ", ".join(parts) + " (python -m fusedlayers info: details)"
+
+
 def info() -> int:
     import fusedlayers
     print(f"fusedlayers {fusedlayers.__version__}, Python {platform.python_version()}")
+    build = os.path.join(os.path.dirname(fusedlayers.__file__), "_build.txt")
+    if os.path.exists(build):  # what setup.py built, and why not the rest
+        with open(build) as f:
+            print("build: " + "       ".join(f.readlines()), end="")
     ok = _torch_info()
     ok = _tensorflow_info() and ok
     ok = _jax_info() and ok
@@ -132,6 +151,9 @@ def bench(argv: list[str]) -> int:
                          "-m fusedlayers bench --model bert-base --distributed`")
         return _bench_model(args, device, name)
     from fusedlayers.bench import table
+    tf_rows = device == "cpu" and not args.no_tensorflow and args.framework == "torch"
+    print(_loaded(("jax",) if args.framework == "jax" else ("torch", "tensorflow")[:1 + tf_rows]),
+          flush=True)
     if args.framework == "jax":
         import jax
         from fusedlayers.bench import jax_ops
@@ -143,6 +165,7 @@ def bench(argv: list[str]) -> int:
         rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
                                not args.no_compile, args.reps, tuple(args.ops.split(",")),
                                args.peers, not args.no_tensorflow)
+    table.per_size_copy_ceiling(rows, ceilings)
     print(table.format_table(rows, ceilings, name))
     if args.json:
         table.write_json(args.json, rows, ceilings, name)

@@ -115,13 +115,19 @@ def tensorflow_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
 
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],
-                  cuda: bool, verbose: bool = False) -> None:
+                  cuda: bool, verbose: bool = False, key: str = "") -> None:
     """Compiles `sources` in parallel (g++, or nvcc for .cu) and links the shared library
     `output`. With `cuda`, the CUDA kernels and the toolkit's runtime, linked statically with
     its symbols kept private (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of
-    its CUDA version, cannot bind ours. Raises NotBuiltError with the failing command."""
+    its CUDA version, cannot bind ours. Skipped when `output` was built from the same sources,
+    flags and `key` (the framework's version). Raises NotBuiltError with the failing command."""
     if not sources:
         raise NotBuiltError(f"fusedlayers: no sources to build {output.name} under {ROOT}")
+    digest = sources_digest(repr((key, cflags, ldflags, cuda,
+                                  os.environ.get("TORCH_CUDA_ARCH_LIST"))), sources)
+    if up_to_date(output, digest):
+        print(f"fusedlayers: {output.name} is up to date (built from these sources and flags)")
+        return
     cflags = ["-O3", "-fPIC", *CXX_FLAGS, f"-I{ROOT}", *cflags]
     if cuda:
         cuda_home = find_cuda_home()
@@ -156,18 +162,35 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             list(pool.map(compile_one, zip(sources, objects)))
         run(["g++", "-shared", "-o", str(output), *map(str, objects), *ldflags])
+    record_build(output, digest)
+
+
+def sources_digest(key: str, sources) -> str:
+    """sha256 of `key` (versions, flags) and of every source and header a library compiles."""
+    digest = hashlib.sha256(key.encode())
+    for src in sorted({*map(Path, sources), *ROOT.glob("csrc/*.h"), *ROOT.glob("csrc/*.cuh"),
+                       *ROOT.glob("backends/*/*.h")}):
+        digest.update(src.read_bytes())
+    return digest.hexdigest()
+
+
+def up_to_date(output: Path, digest: str) -> bool:
+    """Whether `output` was built from the sources and flags of `digest` (its .sha256 file,
+    written by record_build)."""
+    stamp = output.with_name(output.name + ".sha256")
+    return output.exists() and stamp.exists() and stamp.read_text() == digest
+
+
+def record_build(output: Path, digest: str) -> None:
+    output.with_name(output.name + ".sha256").write_text(digest)
 
 
 def jit_library(name: str, key: str, sources: list[Path], build) -> Path:
     """The library `name` for FUSEDLAYERS_JIT=1: cached under ~/.cache/fusedlayers (or
     $FUSEDLAYERS_CACHE) by the hash of `key` and of every source and header; build(path) makes
     it when missing."""
-    digest = hashlib.sha256(key.encode())
-    for src in sorted(sources + [*ROOT.glob("csrc/*.h"), *ROOT.glob("csrc/*.cuh"),
-                                 *ROOT.glob("backends/*/*.h")]):
-        digest.update(src.read_bytes())
     cache = Path(os.environ.get("FUSEDLAYERS_CACHE", Path.home() / ".cache" / "fusedlayers"))
-    path = cache / f"{name}_{digest.hexdigest()[:16]}.so"
+    path = cache / f"{name}_{sources_digest(key, sources)[:16]}.so"
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         build(tmp)

@@ -84,3 +84,15 @@ def restore_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line counting the skips by reason, so a log shows at a glance why each was skipped."""
+    reasons = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.write_line("skips by reason: " + "; ".join(
+            f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])))

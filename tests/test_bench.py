@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusedlayers import __main__ as main
-from fusedlayers.bench import memory as mem, models as model_bench, ops as bench
+from fusedlayers.bench import memory as mem, models as model_bench, ops as bench, table
 
 
 def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
@@ -24,6 +24,25 @@ def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
     for r in rows:
         assert r.ms > 0 and r.unit == "GB/s"
         assert r.pct_of_peak == pytest.approx(100 * r.rate / ceilings["copy_gbs"])
+    table.per_size_copy_ceiling(rows, ceilings)
+    assert all(r.pct_of_peak <= 100 for r in rows if r.impl == "copy")
+
+
+def test_table_gives_speedups_and_judges_rows_by_their_own_size_copy():
+    rows = [table.Row("layer_norm", "8x8", "float32", "fwd", impl, ms, rate, "GB/s", 0.0)
+            for impl, ms, rate in [("fused", 1.0, 50.0), ("eager", 2.0, 25.0),
+                                   ("compile", 1.5, 33.0), ("copy", 0.8, 60.0)]]
+    rows.append(table.Row("layer_norm", "8x8", "float32", "fwd", "jax-fused", 1.0, 50.0, "GB/s",
+                          0.0))
+    rows.append(table.Row("layer_norm", "8x8", "float32", "fwd", "jax-xla", 3.0, 17.0, "GB/s",
+                          0.0))
+    table.per_size_copy_ceiling(rows, {"copy_gbs": 40.0})  # the in-cache copy is the faster
+    assert [round(r.pct_of_peak, 3) for r in rows[:4]] == [83.333, 41.667, 55.0, 100.0]
+    lines = table.format_table(rows, {"copy_gbs": 40.0}, "cpu").splitlines()
+    fused = next(line for line in lines if " fused " in line)
+    assert fused.split()[-2:] == ["2.00x", "1.50x"]  # eager 2 ms, compile 1.5 ms, fused 1 ms
+    assert next(line for line in lines if "jax-fused" in line).split()[-1] == "3.00x"
+    assert next(line for line in lines if "  eager " in line).rstrip().endswith("%")
 
 
 def test_run_half_precision_adds_float32_parameter_and_gemm_rows():

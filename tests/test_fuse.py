@@ -368,3 +368,13 @@ def test_fused_model_compiles_and_matches_eager(autocast):
     assert rel_err(out, out_u) <= (1e-2 if autocast else 1e-5)
     torch.testing.assert_close(out_c, out)
     torch.testing.assert_close(g_c, g)
+
+
+def test_report_names_both_classes_in_full():
+    seq = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.ReLU())
+    fuse(seq)
+    assert str(seq.fusedlayers_report).splitlines()[1:] == [
+        "  swapped 0: torch.nn.LayerNorm -> fusedlayers.torch.LayerNorm",
+        "  swapped 1 + 2: torch.nn.Linear + torch.nn.GELU -> "
+        "fusedlayers.torch.FusedLinearGELU(approximate='none') + torch.nn.Identity",
+        "  swapped 3: torch.nn.ReLU -> fusedlayers.torch.FusedReLUScale(1.0)"]

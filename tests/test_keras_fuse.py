@@ -62,6 +62,8 @@ def test_functional_model_fused_same_outputs_and_grads(seed):
         np.testing.assert_array_equal(a, b)
     report = fused.fusedlayers_report
     assert sorted(name for name, _, _ in report.swapped) == ["fc1", "fc3", "ln1", "ln2", "rms"]
+    assert ("ln1", "keras.layers.LayerNormalization",
+            "fusedlayers.keras.LayerNorm") in report.swapped
     assert report.left == []
 
     x = tf.constant(np.random.default_rng(seed).normal(size=(3, 7, 16)).astype("float32"))

@@ -45,14 +45,49 @@ def row(op, shape: str, dtype_name: str, pass_: str, impl: str, ms: float, work:
                100 * rate / peak)
 
 
-def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
-    lines = [f"device: {device_name}",
-             "ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()),
-             f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<9}"
-             f"{'ms':>10}{'rate':>12}{'unit':>9}{'% peak':>8}"]
+# What a fused row is compared with, by its framework's prefix: the unfused op ("x eager", under
+# JAX XLA's own) and, in torch, torch.compile of it ("x compile").
+_BASELINES = {"": ("eager", "compile"), "tf-": ("tf-eager", None), "jax-": ("jax-xla", None)}
+
+
+def _speedups(rows: list[Row]) -> dict:
+    """id(row) -> (x eager, x compile) for each fused row: the baseline's ms / the row's ms."""
+    ms = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r.ms for r in rows}
+    out = {}
     for r in rows:
-        lines.append(f"{r.op:<12}{r.shape:<24}{r.dtype:<10}{r.pass_:<9}{r.impl:<9}"
-                     f"{r.ms:>10.4f}{r.rate:>12.1f}{r.unit:>9}{r.pct_of_peak:>7.1f}%")
+        prefix = next((p for p in ("tf-", "jax-") if r.impl.startswith(p)), "")
+        if not r.impl.removeprefix(prefix).startswith("fused"):
+            continue
+        key = (r.op, r.shape, r.dtype, r.pass_)
+        out[id(r)] = tuple(None if b is None or (*key, b) not in ms else ms[(*key, b)] / r.ms
+                           for b in _BASELINES[prefix])
+    return out
+
+
+def per_size_copy_ceiling(rows: list[Row], ceilings: dict) -> None:
+    """Sets each GB/s row's % of peak against the larger of the device's copy bandwidth and the
+    copy row of its own op, shape and dtype: a copy whose bytes fit in the CPU's caches runs
+    faster than the large copy of the ceiling, and so may the op beside it."""
+    copies = {(r.op, r.shape, r.dtype): r.rate for r in rows if r.impl.endswith("copy")}
+    for r in rows:
+        if r.unit == "GB/s":
+            peak = max(ceilings["copy_gbs"], copies.get((r.op, r.shape, r.dtype), 0.0))
+            r.pct_of_peak = 100 * r.rate / peak
+
+
+def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
+    speedups = _speedups(rows)
+    fmt = lambda v: f"{v:>9.2f}x" if v is not None else f"{'':>10}"  # noqa: E731
+    lines = [f"device: {device_name}",
+             "ceilings: " + ", ".join(f"{k} {v:.4g}" for k, v in ceilings.items()) +
+             " (GB/s rows: % of the larger of copy_gbs and their own size's copy row)",
+             f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<11}"
+             f"{'ms':>10}{'rate':>12}{'unit':>9}{'% peak':>8}{'x eager':>10}{'x compile':>10}"]
+    for r in rows:
+        eager, compiled = speedups.get(id(r), (None, None))
+        lines.append(f"{r.op:<12}{r.shape:<24}{r.dtype:<10}{r.pass_:<9}{r.impl:<11}"
+                     f"{r.ms:>10.4f}{r.rate:>12.1f}{r.unit:>9}{r.pct_of_peak:>7.1f}%"
+                     f"{fmt(eager)}{fmt(compiled)}")
     return "\n".join(lines)
 
 

@@ -46,7 +46,8 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
         libdir = Path(_sources.find_cuda_home()) / "lib64"
         libs = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", *libs]
     _sources.build_library(output, _sources.binding_sources("xla", cuda=cuda, gemm=cuda),
-                           [f"-I{jax.ffi.include_dir()}", "-std=c++17"], libs, cuda, verbose)
+                           [f"-I{jax.ffi.include_dir()}", "-std=c++17"], libs, cuda, verbose,
+                           key=f"jax {jax.__version__}")
 
 
 def _jit_library() -> Path:

@@ -2,9 +2,9 @@
 each layer that a fused layer replaces with the same config and weights (its `fuse_replaces`:
 `LayerNormalization` -> `LayerNorm`, `RMSNormalization` -> `RMSNorm`) swapped, and its `Dense`
 layers with a GELU activation as `FusedLinearGELU`, the weights copied. The GELU is recognised
-by what the activation computes
-(erf or tanh GELU on a float64 probe from -100 to 100, float32 on JAX without x64), not by its name; each swapped layer is
-checked against the original on a probe input and, if it differs, left as it was and reported,
+by what the activation computes (erf or tanh GELU on a float64 probe from -100 to 100, float32 on
+JAX without x64), not by its name; each swapped layer is checked against the original on a probe
+input and, if it differs, left as it was and reported,
 as is the whole model's output. The report is `clone.fusedlayers_report`.
 """
 
@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from .. import ops
-from ..fuse_report import FuseReport
+from ..fuse_report import FuseReport, class_name
 from .linear_gelu import FusedLinearGELU
 
 # ||fused - original|| / ||original|| allowed on a probe, per compute dtype.
@@ -111,18 +111,20 @@ def _swap(layer, swaps, excluded, left, replacements, linear_gelu):
     now = replacements.get(type(layer))
     if now is not None:  # the same config keys and weights, in order
         new = now.from_config(config)
-        swaps[layer.name] = (type(layer).__name__, now.__name__, (layer, new))
+        swaps[layer.name] = (class_name(type(layer)), class_name(now), (layer, new))
         return new
     if linear_gelu and type(layer) is keras.layers.Dense:
         form = _gelu_form(layer.activation)
         if form is not None:
             if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-                left.append((layer.name, "Dense(GELU)", "LoRA or quantized: not fused"))
+                left.append((layer.name, f"{class_name(type(layer))}(activation=gelu)",
+                             "LoRA or quantized: not fused"))
                 return layer.__class__.from_config(config)
             new = FusedLinearGELU.from_config(
                 {k: v for k, v in config.items() if k in _DENSE_KEYS} |
                 {"approximate": form == "tanh"})
-            swaps[layer.name] = (f"Dense(GELU {form})", "FusedLinearGELU", (layer, new))
+            swaps[layer.name] = (f"{class_name(type(layer))}(activation=gelu, approximate="
+                                 f"{form!r})", class_name(FusedLinearGELU), (layer, new))
             return new
     if type(layer) is keras.layers.Activation and _gelu_form(layer.activation) is not None:
         left.append((layer.name, "Activation(GELU)",

@@ -47,7 +47,7 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
               "-std=c++17", *(["-DGOOGLE_CUDA=1"] if cuda else [])]
     _sources.build_library(output, _sources.tensorflow_sources(cuda=cuda), cflags,
                            [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"], cuda,
-                           verbose)
+                           verbose, key=f"tensorflow {tf.__version__}")
 
 
 def _jit_library() -> Path:

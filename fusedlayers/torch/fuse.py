@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .. import ops
-from ..fuse_report import FuseReport
+from ..fuse_report import FuseReport, class_name
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
 
@@ -78,7 +78,7 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
         for op in ops.OPS:
             fused_cls = getattr(ops.module(op, "torch"), "FUSED_MODULE", None)
             if fused_cls is not None and wanted[op.name]:
-                _fuse_modules(model, report, fused_cls, fused_cls.__name__)
+                _fuse_modules(model, report, fused_cls, class_name(fused_cls))
         if wanted["linear_gelu"] or wanted["relu_scale"]:
             _fuse_traced(model, report, wanted["linear_gelu"], wanted["relu_scale"])
     model.fusedlayers_report = report
@@ -90,7 +90,7 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
 # ---------------------------------------------------------------- probes
 
 def _describe(module: nn.Module) -> str:
-    return type(module).__name__
+    return class_name(type(module))
 
 
 def _has_state_hooks(module: nn.Module) -> bool:
@@ -403,7 +403,8 @@ def _fuse_names(parent: nn.Module, parent_path: str, linear_name: str, act_name:
     _set(parent, linear_name, fused)
     _set(parent, act_name, nn.Identity().train(act_module.training))
     report.swapped.append((f"{lin_path} + {act_name}", what,
-                           f"{type(fused).__name__}(approximate={form!r}) + Identity"))
+                           f"{class_name(type(fused))}(approximate={form!r}) + "
+                           f"{class_name(nn.Identity)}"))
 
 
 def _fuse_relu(parent: nn.Module, parent_path: str, node: torch.fx.Node, count: dict,
@@ -423,7 +424,7 @@ def _fuse_relu(parent: nn.Module, parent_path: str, node: torch.fx.Node, count: 
         report.left.append((path, _describe(relu), reason))
         return
     _set(parent, node.target, FusedReLUScale(1.0).train(relu.training))
-    report.swapped.append((path, _describe(relu), "FusedReLUScale(1.0)"))
+    report.swapped.append((path, _describe(relu), f"{class_name(FusedReLUScale)}(1.0)"))
 
 
 def _set(parent: nn.Module, target: str, module: nn.Module) -> None:
