@@ -39,8 +39,7 @@ summation order (--json writes them for comparing).
 
 import os
 
-# Before TF loads: hide its C++ info and warning logs. (TF 2.21 still prints its oneDNN notice at
-# import: absl writes it before any log threshold applies.)
+# Before TF loads: hide its C++ info and warning logs, unless the user set their level.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import sys  # noqa: E402
 
