@@ -64,8 +64,7 @@ def _varying(t) -> set:
 
 def call(target: str, results, *operands, roles: str, rows: int, workspace=None, **attributes):
     """The custom call fusedlayers_<target> on operands, as XLA sees one op that works row by
-    row. results: jax.ShapeDtypeStruct(s) for the operands' shapes. roles, as
-    "<operands>-><results>",
+    row. results: jax.ShapeDtypeStruct(s) for the operands' shapes. roles: "<operands>-><results>",
     one letter each:
       x  the op's rows: `rows` leading dims (the same in each), then the dims the op works over
          (its first x operand is `x` below);
