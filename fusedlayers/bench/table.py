@@ -65,13 +65,18 @@ def _speedups(rows: list[Row]) -> dict:
 
 
 def per_size_copy_ceiling(rows: list[Row], ceilings: dict) -> None:
-    """Sets each GB/s row's % of peak against the larger of the device's copy bandwidth and the
-    copy row of its own op, shape and dtype: a copy whose bytes fit in the CPU's caches runs
-    faster than the large copy of the ceiling, and so may the op beside it."""
-    copies = {(r.op, r.shape, r.dtype): r.rate for r in rows if r.impl.endswith("copy")}
+    """Sets each row's % of peak against the larger of the device's ceiling and the floor row of
+    its own op, shape and dtype (GB/s: its "copy", TFLOP/s: its bare "gemm"): a copy whose bytes
+    fit in the CPU's caches runs faster than the large copy of the ceiling, and a GEMM's speed
+    depends on its shape (and on the CPU, for bfloat16, on which GEMM library runs it). A row
+    above 100% ran faster than that floor."""
+    floors = {(r.op, r.shape, r.dtype): r.rate for r in rows
+              if r.impl.endswith("copy") or r.impl == "gemm"}
     for r in rows:
-        if r.unit == "GB/s":
-            peak = max(ceilings["copy_gbs"], copies.get((r.op, r.shape, r.dtype), 0.0))
+        ceiling = ceilings["copy_gbs"] if r.unit == "GB/s" else \
+            ceilings.get(f"gemm_tflops_{r.dtype}", 0.0)
+        peak = max(ceiling, floors.get((r.op, r.shape, r.dtype), 0.0))
+        if peak > 0:
             r.pct_of_peak = 100 * r.rate / peak
 
 
@@ -80,7 +85,7 @@ def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
     fmt = lambda v: f"{v:>9.2f}x" if v is not None else f"{'':>10}"  # noqa: E731
     lines = [f"device: {device_name}",
              "ceilings: " + ", ".join(f"{k} {v:.4g}" for k, v in ceilings.items()) +
-             " (GB/s rows: % of the larger of copy_gbs and their own size's copy row)",
+             " (% peak: of the larger of the ceiling and the row's own copy or gemm row)",
              f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<11}"
              f"{'ms':>10}{'rate':>12}{'unit':>9}{'% peak':>8}{'x eager':>10}{'x compile':>10}"]
     for r in rows:
