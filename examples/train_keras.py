@@ -169,7 +169,9 @@ def save_plot(path: str, unfused: dict, fused: dict) -> None:
             title=f"MLP-Mixer on sklearn digits (Keras, {keras.backend.backend()}): "
                   f"unfused vs fused")
     top.legend()
-    bottom.plot(epochs, rel, "o-", markersize=3, color="tab:red", label="|difference| / loss")
+    # Exact zeros have no place on a log axis: gaps in the line, markers below.
+    bottom.plot(epochs, [r if r > 0 else float("nan") for r in rel], "o-", markersize=3,
+                color="tab:red", label="|difference| / loss")
     zeros = [e for e, r in zip(epochs, rel) if r == 0]
     if zeros:  # a log axis cannot show 0: marked on the bottom edge instead
         bottom.plot(zeros, [0] * len(zeros), "v", color="tab:green", clip_on=False,
