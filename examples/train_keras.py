@@ -54,18 +54,14 @@ import json
 import statistics
 import time
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: only writes a file
 import keras
-import matplotlib.pyplot as plt
 import numpy as np
 from keras import layers
-from matplotlib.ticker import MaxNLocator
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from fusedlayers.keras import FusedLinearGELU, FusedReLUScale, LayerNorm
+from loss_plot import save_loss_plot
 
 MIN_ACCURACY = 0.90
 LOSS_RTOL = 1e-2  # max |loss_unfused - loss_fused| / loss_unfused over epochs, float32
@@ -155,38 +151,6 @@ def train_epoch(model: keras.Model, epoch: int, x, y, order, args, validation):
                         initial_epoch=epoch, shuffle=False, validation_data=validation,
                         callbacks=[timer], verbose=0).history
     return history["loss"][-1], history["val_accuracy"][-1], timer.times
-
-
-def save_plot(path: str, unfused: dict, fused: dict) -> None:
-    # The curves overlap at any visible scale, so a second panel shows their difference.
-    epochs = list(range(1, len(unfused["loss"]) + 1))
-    rel = [abs(u - f) / u for u, f in zip(unfused["loss"], fused["loss"])]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
-                                      gridspec_kw={"height_ratios": [2, 1]})
-    top.plot(epochs, unfused["loss"], label="unfused (keras.layers)", linewidth=3, alpha=0.6)
-    top.plot(epochs, fused["loss"], "--", label="fused (fusedlayers.keras)", linewidth=1.5)
-    top.set(ylabel=f"train loss (label smoothing {LABEL_SMOOTHING})", yscale="log",
-            title=f"MLP-Mixer on sklearn digits (Keras, {keras.backend.backend()}): "
-                  f"unfused vs fused")
-    top.legend()
-    # Exact zeros have no place on a log axis: gaps in the line, markers below.
-    bottom.plot(epochs, [r if r > 0 else float("nan") for r in rel], "o-", markersize=3,
-                color="tab:red", label="|difference| / loss")
-    zeros = [e for e, r in zip(epochs, rel) if r == 0]
-    if zeros:  # a log axis cannot show 0: marked on the bottom edge instead
-        bottom.plot(zeros, [0] * len(zeros), "v", color="tab:green", clip_on=False,
-                    transform=bottom.get_xaxis_transform(), label="exactly equal")
-    bottom.axhline(LOSS_RTOL, color="black", linestyle=":", label=f"tolerance {LOSS_RTOL:.0e}")
-    nonzero = [r for r in rel if r > 0]
-    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log",
-               ylim=(min(nonzero + [LOSS_RTOL]) / 10, LOSS_RTOL * 10))
-    bottom.legend()
-    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
-    for ax in (top, bottom):
-        ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main() -> int:
@@ -293,7 +257,11 @@ def run(args, replicas: int) -> int:
     print(f"{'max |loss diff|':<24}{max(diffs):>20.2e}")
     print(f"{'max relative loss diff':<24}{max_rel:>20.2e}   (tolerance {LOSS_RTOL:.0e})")
 
-    save_plot(args.plot, unfused, fused)
+    save_loss_plot(args.plot, unfused["loss"], fused["loss"],
+                   ("unfused (keras.layers)", "fused (fusedlayers.keras)"),
+                   f"MLP-Mixer on sklearn digits (Keras, {keras.backend.backend()}): "
+                   f"unfused vs fused", f"train loss (label smoothing {LABEL_SMOOTHING})",
+                   LOSS_RTOL)
     print(f"loss curves saved to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:

@@ -44,11 +44,6 @@ import statistics
 import sys
 import time
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: only writes a file
-import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
 import torch
 import torch.distributed as dist
 from einops.layers.torch import Rearrange
@@ -57,6 +52,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from tqdm import tqdm
 
+from loss_plot import save_loss_plot
 from fusedlayers.torch import FusedLinearGELU, FusedReLUScale, LayerNorm, UnfusedReLUScale
 
 MIN_ACCURACY = 0.90
@@ -175,36 +171,6 @@ class Run:
             correct = (self.model(x_test).argmax(dim=1) == y_test).float().mean().item()
         self.accuracies.append(correct)
         self.epoch_times.append(time.perf_counter() - epoch_start)
-
-
-def save_plot(path: str, unfused: Run, fused: Run, title: str, loss_rtol: float) -> None:
-    # The curves overlap at any visible scale, so a second panel shows their difference.
-    epochs = range(1, len(unfused.losses) + 1)
-    rel = [abs(u - f) / u for u, f in zip(unfused.losses, fused.losses)]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
-                                      gridspec_kw={"height_ratios": [2, 1]})
-    top.plot(epochs, unfused.losses, label="unfused (torch.nn)", linewidth=3, alpha=0.6)
-    top.plot(epochs, fused.losses, "--", label="fused (fusedlayers)", linewidth=1.5)
-    top.set(ylabel=f"train loss (label smoothing {LABEL_SMOOTHING})", yscale="log", title=title)
-    top.legend()
-    # Exact zeros have no place on a log axis: gaps in the line, markers below.
-    bottom.plot(epochs, [r if r > 0 else float("nan") for r in rel], "o-", markersize=3,
-                color="tab:red", label="|difference| / loss")
-    zeros = [e for e, r in zip(epochs, rel) if r == 0]
-    if zeros:  # a log axis cannot show 0: marked on the bottom edge instead
-        bottom.plot(zeros, [0] * len(zeros), "v", color="tab:green", clip_on=False,
-                    transform=bottom.get_xaxis_transform(), label="exactly equal")
-    bottom.axhline(loss_rtol, color="black", linestyle=":", label=f"tolerance {loss_rtol:.0e}")
-    nonzero = [r for r in rel if r > 0]
-    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log",
-               ylim=(min(nonzero + [loss_rtol]) / 10, loss_rtol * 10))
-    bottom.legend()
-    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in (top, bottom):
-        ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def setup(description: str, plot: str, epochs: int = 20):
@@ -329,7 +295,9 @@ def compare(unfused_model: nn.Module, fused_model: nn.Module, args, data, title:
     say(f"{'max relative loss diff':<24}{max_rel:>20.2e}   (tolerance {loss_rtol:.0e})")
 
     if rank() == 0:
-        save_plot(args.plot, unfused, fused, title, loss_rtol)
+        save_loss_plot(args.plot, unfused.losses, fused.losses,
+                       ("unfused (torch.nn)", "fused (fusedlayers)"), title,
+                       f"train loss (label smoothing {LABEL_SMOOTHING})", loss_rtol)
         print(f"loss curves saved to {args.plot}")
         if args.json:
             with open(args.json, "w") as f:
