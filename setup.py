@@ -85,7 +85,7 @@ if cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
     extension = CUDAExtension(
         "fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
-        libraries=_sources.CUDA_LIBRARIES, extra_link_args=openmp,
+        libraries=list(_sources.CUDA_LIBRARIES), extra_link_args=openmp,
         extra_compile_args={"cxx": [*_sources.CXX_FLAGS, *openmp, _sources.CUDA_DEFINE],
                             "nvcc": [*_sources.NVCC_FLAGS, _sources.CUDA_DEFINE]})
 else:

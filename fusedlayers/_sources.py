@@ -33,7 +33,8 @@ def torch_openmp_flags(openmp: bool) -> list[str]:
     applies."""
     return ["-fopenmp"] if openmp else []
 CUDA_DEFINE = "-DFUSEDLAYERS_WITH_CUDA"
-CUDA_LIBRARIES = ["cublasLt"]
+# A tuple: CUDAExtension appends torch's own libraries to the list it is given.
+CUDA_LIBRARIES = ("cublasLt",)
 # Ampere and Hopper, when TORCH_CUDA_ARCH_LIST is unset (a GPU-less host cannot detect one).
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 # The whole linear_gelu op (its passes call the framework's GEMMs on the CPU and cuBLASLt on
