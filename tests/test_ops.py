@@ -246,25 +246,25 @@ def test_tf(op, s, dtype, device, rng, tf):
     check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"TF {op.name} {s.id}")
 
 
-@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
-def test_parity(op, s, dtype, device, rng, tf):
-    """The same rounded inputs through both frameworks' fused ops. Ops of csrc kernels alone agree
-    bit for bit; linear_gelu's GEMMs are each framework's own (other summation orders), so its
-    float32 results agree to the GEMM's rounding and its other dtypes are not compared."""
+def check_parity(op, s, dtype, rng, framework: str, run_other):
+    """The same rounded inputs through torch's fused op and `framework`'s (run_other(leaves, dy):
+    results by name, like run_torch's). Ops of csrc kernels alone agree bit for bit;
+    linear_gelu's GEMMs are each framework's own (other summation orders), so its float32 results
+    agree to the GEMM's rounding and its other dtypes are not compared."""
     if not op.bitwise_parity and dtype != "float32":
         pytest.skip("the frameworks' own GEMMs differ beyond float32 rounding in other dtypes")
     leaves = rounded(draw(op, s, rng), s, dtype)
     dy = torch.from_numpy(np.asarray(rng.normal(
         getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves["x"].dtype)
     a = run_torch(getattr(fl, op.name), s, leaves, dy)
-    b = run_tf(tf, op, s, leaves, dy)
+    b = run_other(leaves, dy)
     assert set(a) == set(b)
     for name in a:
         x, y = np64(a[name]), np64(b[name])
         assert x.shape == y.shape, (name, x.shape, y.shape)
         if op.bitwise_parity:
             diff = ~((x == y) | (np.isnan(x) & np.isnan(y)))
-            assert not diff.any(), (f"{op.name} {s.id} {name}: torch and TF differ at "
+            assert not diff.any(), (f"{op.name} {s.id} {name}: torch and {framework} differ at "
                                     f"{int(diff.sum())} of {x.size} elements ({rng})")
         else:  # GEMM rounding grows ~sqrt(in_features)
             k = s.shapes["x"][-1] if s.shapes["x"] else 1
@@ -273,6 +273,12 @@ def test_parity(op, s, dtype, device, rng, tf):
                 {n: None if v is None else v.double() for n, v in leaves.items()},
                 dy.double(), s.kwargs).get(name))
             assert err <= tol, f"{op.name} {s.id} {name}: {err:.2e} > {tol:.1e} ({rng})"
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
+def test_parity(op, s, dtype, device, rng, tf):
+    check_parity(op, s, dtype, rng, "TF",
+                 lambda leaves, dy: run_tf(tf, op, s, leaves, dy))
 
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(["float64"], contiguous_only=True,
@@ -416,32 +422,11 @@ def test_jax_sharded_rows(op, s, rows, rng, jax):
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(["float32", "bfloat16"], contiguous_only=True))
 def test_jax_parity(op, s, dtype, device, rng, jax):
-    """The same rounded inputs through torch's and JAX's fused ops, JAX eagerly: the ops of csrc
-    kernels alone agree bit for bit; linear_gelu's dots are each framework's own, so its float32
-    results agree to their rounding and its bfloat16 ones are not compared."""
-    if not op.bitwise_parity and dtype != "float32":
-        pytest.skip("the frameworks' own GEMMs differ beyond float32 rounding in bfloat16")
-    leaves = rounded(draw(op, s, rng), s, dtype)
-    dy = torch.from_numpy(np.asarray(rng.normal(
-        getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves["x"].dtype)
-    a = run_torch(getattr(fl, op.name), s, leaves, dy)
-    with jax.default_device(jax.devices("cpu")[0]):  # torch ran on the CPU: the same kernels
-        b = run_jax(jax, op, s, leaves, dy, compiled=False)
-    assert set(a) == set(b)
-    for name in a:
-        x, y = np64(a[name]), np64(b[name])
-        assert x.shape == y.shape, (name, x.shape, y.shape)
-        if op.bitwise_parity:
-            diff = ~((x == y) | (np.isnan(x) & np.isnan(y)))
-            assert not diff.any(), (f"{op.name} {s.id} {name}: torch and JAX differ at "
-                                    f"{int(diff.sum())} of {x.size} elements ({rng})")
-        else:
-            k = s.shapes["x"][-1] if s.shapes["x"] else 1
-            tol = 1e-6 * max(1.0, np.sqrt(k / 64))
-            err = rel_err(x, y, op.grad_scales(
-                {n: None if v is None else v.double() for n, v in leaves.items()},
-                dy.double(), s.kwargs).get(name))
-            assert err <= tol, f"{op.name} {s.id} {name}: {err:.2e} > {tol:.1e} ({rng})"
+    """JAX eagerly, on its CPU device: torch ran on the CPU, so both call the same kernels."""
+    def run_other(leaves, dy):
+        with jax.default_device(jax.devices("cpu")[0]):
+            return run_jax(jax, op, s, leaves, dy, compiled=False)
+    check_parity(op, s, dtype, rng, "JAX", run_other)
 
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(["float64"], contiguous_only=True,
