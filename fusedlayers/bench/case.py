@@ -12,7 +12,8 @@ class Case:
     inputs: list        # x first, then the parameters the backward differentiates
     work: dict          # pass ("fwd", "fwd+bwd") -> bytes moved (GB/s ops) or flops (TFLOP/s)
     # More variants of the forward only, by name (fn), and of both passes (fn, or (fn, leaves)
-    # where the backward's leaves are not `inputs[1:]`).
+    # where the backward's leaves are not `inputs[1:]`). A variant named "gemm" (the bare GEMMs)
+    # is the floor its framework's rows of a TFLOP/s op are judged by (bench.table).
     fwd_only: dict = field(default_factory=dict)
     variants: dict = field(default_factory=dict)
 

@@ -74,8 +74,9 @@ def gemm_tflops(dtype, reps: int, iters: int) -> float:
 
 def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = 10,
         op_names=ops.NAMES, iters: int | None = None) -> tuple[list[Row], dict]:
-    """Rows "jax-fused", "jax-xla" (and "jax-copy" for the memory-bound forwards) of every op,
-    shape, dtype and pass, and the ceilings measured for them."""
+    """Rows "jax-fused", "jax-xla", the case's variants ("jax-gemm") and "jax-copy" for the
+    memory-bound forwards, of every op, shape, dtype and pass, and the ceilings measured for
+    them."""
     unknown = set(op_names) - set(ops.NAMES)
     if unknown:
         raise ValueError(f"bench: ops must be among {ops.NAMES}, got {sorted(unknown)}")
@@ -93,7 +94,8 @@ def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = 10,
             for shape in shapes(device, quick)[op.name]:
                 case = ops.module(op, "jax").bench_case(shape, dtype)
                 for pass_ in ("fwd", "fwd+bwd"):
-                    impls = {"jax-fused": case.fused, "jax-xla": case.eager}
+                    impls = {"jax-fused": case.fused, "jax-xla": case.eager,
+                             **{"jax-" + name: fn for name, fn in case.variants.items()}}
                     if op.bench_unit == "GB/s" and pass_ == "fwd":
                         impls["jax-copy"] = lambda x, *_: -x  # same bytes as the forward
                     dy = jax.random.normal(jax.random.key(1),

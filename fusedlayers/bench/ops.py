@@ -7,21 +7,25 @@ Memory-bound ops (the table's "GB/s" ops) report GB/s over the fewest bytes the 
 (each input read once, each output written once; for the backward, what it must keep from the
 forward: layer_norm's input, relu_scale's sign bits) and the percentage of the measured copy
 bandwidth (bytes read + written by a large tensor copy); their forward also gets a "copy" row, a
-copy of the input moving the same bytes, which is the floor at that size (a small op pays launch
-and tail costs that the large copy amortizes); under half dtypes a "fused-w32" row runs the
+copy of the input into a tensor made once (as the ceiling's copy), moving the same bytes, which is
+the floor at that size (a small op pays launch and tail costs that the large copy amortizes, and
+bytes that fit in a CPU's caches move faster); under half dtypes a "fused-w32" row runs the
 same op with float32 parameters (mixed precision's layout). GEMM-bound ops (linear_gelu) report TFLOP/s over
 2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of the measured
 GEMM rate of the same dtype, with a "gemm" row: the bare GEMMs of the same shape, the floor
 under any epilogue. Times are medians. On CUDA each variant is captured once in a CUDA
 graph and its replays are timed with CUDA events (triton.testing.do_bench when present), so the
 numbers are the kernels' and not Python's launch overhead; a variant that cannot be captured is
-timed directly. On the CPU: the wall clock around synchronous calls.
+timed directly. On the CPU: the wall clock around synchronous calls, one call of each variant
+per round after untimed rounds, with glibc's malloc keeping freed memory (keep_freed_memory), so
+that rows time the kernels and not page faults of memory the allocator gave back.
 
 With peers (`--peers`, CUDA), other libraries' kernels for the same call join the rows where
 they import: Liger-Kernel's Triton LayerNorm and RMSNorm (liger_kernel.ops, its defaults:
 RMSNorm's "llama" casting, backward in place), and QuACK's RMSNorm (`quack.rmsnorm`).
 """
 
+import ctypes
 import statistics
 import time
 
@@ -76,11 +80,25 @@ def _median_ms(fn, device: torch.device, reps: int, graph: bool = True) -> float
     return statistics.median(times)
 
 
-# Untimed rounds first on the CPU: until glibc's malloc has raised its mmap threshold past an
-# output's size, each call's output is fresh memory, page-faulted in on first touch, for the
-# first few calls of either implementation, which a median of interleaved calls did not always
-# hide.
+# Untimed rounds first on the CPU: the heap grows to what every variant needs before any call
+# is timed.
 CPU_WARMUP_ROUNDS = 8
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc's malloc keep freed memory for the next allocation: no trimming of the heap's
+    top, and allocations below 32 MiB (the largest mmap threshold it takes) from the heap. By
+    default it returns the top of the heap to the system once more than twice the largest freed
+    tensor sits free there, and the next call's outputs are page-faulted in again, at a cost of
+    several times the kernel's, paid by whichever variant runs next (a fused op timed after its
+    unfused reference paid for the reference's temporaries). False where the C library has no
+    mallopt or refuses (not glibc): the bench then times its default."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1)
 
 
 def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
@@ -142,6 +160,8 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
     if unknown:
         raise ValueError(f"bench: ops must be among {OPS}, got {sorted(unknown)}")
     dev = torch.device(device)
+    if dev.type == "cpu":
+        keep_freed_memory()
     ceilings = {"copy_gbs": copy_bandwidth_gbs(dev, reps)}
     rows = []
     for dtype_name in dtypes:
@@ -168,8 +188,9 @@ def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile
         if compile:  # a fresh compile per case and pass: no recompile-limit fallbacks
             torch._dynamo.reset()
             impls["compile"] = torch.compile(case.eager)
-        if op.bench_unit == "GB/s" and pass_ == "fwd":
-            impls["copy"] = case.inputs[0].clone  # same bytes as the forward: the floor
+        if op.bench_unit == "GB/s" and pass_ == "fwd":  # same bytes as the forward: the floor
+            impls["copy"] = lambda src=case.inputs[0], dst=torch.empty_like(case.inputs[0]): \
+                dst.copy_(src)
         timed = {}
         for impl, fn in impls.items():
             fn, leaves = fn if isinstance(fn, tuple) else (fn, case.inputs[1:])
@@ -202,7 +223,7 @@ def _tensorflow_rows(quick: bool, dtype_name: str, op_names, reps: int, ceilings
         for shape in sizes[op.name]:
             work, impls = tensorflow_ops.case(op, shape, dtype_name)
             for pass_ in ("fwd", "fwd+bwd"):
-                timed = {impl: passes[pass_] for impl, passes in impls.items()}
+                timed = {impl: passes[pass_] for impl, passes in impls.items() if pass_ in passes}
                 for impl, ms in _median_ms_each(timed, torch.device("cpu"), reps).items():
                     rows.append(row(op, shape_name(shape), dtype_name, pass_, impl, ms,
                                      work[pass_], ceilings))

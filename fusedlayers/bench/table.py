@@ -50,12 +50,17 @@ def row(op, shape: str, dtype_name: str, pass_: str, impl: str, ms: float, work:
 _BASELINES = {"": ("eager", "compile"), "tf-": ("tf-eager", None), "jax-": ("jax-xla", None)}
 
 
+def _framework(impl: str) -> str:
+    """The prefix that names a row's framework: "" (torch), "tf-" or "jax-"."""
+    return next((p for p in ("tf-", "jax-") if impl.startswith(p)), "")
+
+
 def _speedups(rows: list[Row]) -> dict:
     """id(row) -> (x eager, x compile) for each fused row: the baseline's ms / the row's ms."""
     ms = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r.ms for r in rows}
     out = {}
     for r in rows:
-        prefix = next((p for p in ("tf-", "jax-") if r.impl.startswith(p)), "")
+        prefix = _framework(r.impl)
         if not r.impl.removeprefix(prefix).startswith("fused"):
             continue
         key = (r.op, r.shape, r.dtype, r.pass_)
@@ -64,20 +69,27 @@ def _speedups(rows: list[Row]) -> dict:
     return out
 
 
-def per_size_copy_ceiling(rows: list[Row], ceilings: dict) -> None:
-    """Sets each row's % of peak against the larger of the device's ceiling and the floor row of
-    its own op, shape and dtype (GB/s: its "copy", TFLOP/s: its bare "gemm"): a copy whose bytes
-    fit in the CPU's caches runs faster than the large copy of the ceiling, and a GEMM's speed
-    depends on its shape (and on the CPU, for bfloat16, on which GEMM library runs it). A row
-    above 100% ran faster than that floor."""
-    floors = {(r.op, r.shape, r.dtype): r.rate for r in rows
-              if r.impl.endswith("copy") or r.impl == "gemm"}
+def _floor_key(r: Row) -> tuple:
+    """The floor row a row is judged by: its framework's "copy" of its op, shape and dtype (the
+    forward's, for both passes: bytes per second at that size), or its framework's bare "gemm"
+    of the same pass (the backward's GEMMs take other layouts, at other speeds)."""
+    return (_framework(r.impl), r.op, r.shape, r.dtype, r.pass_ if r.unit != "GB/s" else None)
+
+
+def per_size_floors(rows: list[Row], ceilings: dict) -> None:
+    """Sets each row's % of peak against the larger of the device's ceiling and its floor row
+    (_floor_key): a copy whose bytes fit in the CPU's caches runs faster than the large copy of
+    the ceiling, and a GEMM's speed depends on its shape and on the GEMM library its framework
+    calls (on the CPU, for bfloat16, oneDNN or a loop). A row above 100% ran faster than that
+    floor."""
+    floors = {_floor_key(r): r.rate for r in rows
+              if r.impl.removeprefix(_framework(r.impl)) in ("copy", "gemm")}
     for r in rows:
         ceiling = ceilings["copy_gbs"] if r.unit == "GB/s" else \
             ceilings.get(f"gemm_tflops_{r.dtype}", 0.0)
-        peak = max(ceiling, floors.get((r.op, r.shape, r.dtype), 0.0))
+        peak = max(ceiling, floors.get(_floor_key(r), 0.0))
         if peak > 0:
-            r.pct_of_peak = 100 * r.rate / peak
+            r.pct_of_peak = 100 * (r.rate / peak)  # exactly 100 for the floor row itself
 
 
 def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
@@ -85,7 +97,8 @@ def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
     fmt = lambda v: f"{v:>9.2f}x" if v is not None else f"{'':>10}"  # noqa: E731
     lines = [f"device: {device_name}",
              "ceilings: " + ", ".join(f"{k} {v:.4g}" for k, v in ceilings.items()) +
-             " (% peak: of the larger of the ceiling and the row's own copy or gemm row)",
+             " (% peak: of the larger of the ceiling and the row's own copy or gemm row of its "
+             "framework)",
              f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<11}"
              f"{'ms':>10}{'rate':>12}{'unit':>9}{'% peak':>8}{'x eager':>10}{'x compile':>10}"]
     for r in rows:

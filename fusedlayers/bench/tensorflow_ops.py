@@ -2,7 +2,8 @@
 fusedlayers.tensorflow against the unfused TensorFlow / Keras ops a Keras model would run
 instead, as each op's TensorFlow module builds them (`bench_case`), on the torch cases' shapes.
 Both run inside tf.function, as Keras' fit runs them; forward and forward + backward (a
-GradientTape over every input)."""
+GradientTape over every input). Their floors are TensorFlow's own: for the memory-bound ops a
+copy of x ("tf-copy", forward), for linear_gelu the bare tf.matmul ("tf-gemm")."""
 
 import tensorflow as tf
 
@@ -22,14 +23,18 @@ def _fwd_bwd(fn, inputs):
 
 
 def case(op: ops.Op, shape, dtype_name: str) -> tuple[dict, dict]:
-    """(work by pass, {impl: {pass: fn}}) of op at shape: "tf-fused" and "tf-eager"."""
+    """(work by pass, {impl: {pass: fn}}) of op at shape: "tf-fused", "tf-eager", the case's
+    variants ("tf-gemm") and, forward only, "tf-copy"."""
     c = ops.module(op, "tensorflow").bench_case(shape, getattr(tf, dtype_name))
+    fwd_only = {"copy": lambda x, *_: tf.raw_ops.DeepCopy(x=x)} if op.bench_unit == "GB/s" else {}
     impls = {}
-    for impl, fn in (("tf-fused", c.fused), ("tf-eager", c.eager)):
+    for impl, fn in (("fused", c.fused), ("eager", c.eager), *c.variants.items(),
+                     *fwd_only.items()):
         # No Python control flow to convert: AutoGraph would only warn that it cannot parse
         # two lambdas on one line.
         fwd = tf.function(fn, autograph=False)
-        fwd_bwd = tf.function(_fwd_bwd(fn, c.inputs), autograph=False)
-        impls[impl] = {"fwd": lambda f=fwd: f(*c.inputs),
-                       "fwd+bwd": lambda f=fwd_bwd: f(*c.inputs)}
+        impls["tf-" + impl] = {"fwd": lambda f=fwd: f(*c.inputs)}
+        if impl not in fwd_only:
+            fwd_bwd = tf.function(_fwd_bwd(fn, c.inputs), autograph=False)
+            impls["tf-" + impl]["fwd+bwd"] = lambda f=fwd_bwd: f(*c.inputs)
     return c.work, impls

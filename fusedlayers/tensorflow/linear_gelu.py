@@ -40,14 +40,16 @@ def _matmul_epilogue(op, x, w, bias, approximate, transpose):
 
 
 def bench_case(shape, dtype: tf.DType) -> Case:
-    """Against a Dense layer's matmul + bias + tf.nn.gelu, with Dense's (in, out) kernel."""
+    """Against a Dense layer's matmul + bias + tf.nn.gelu, with Dense's (in, out) kernel; "gemm":
+    the bare matmul."""
     m, k, n = shape
     x, kernel, b = _op.random((m, k), dtype), _op.random((k, n), dtype, 1), \
         _op.random((n,), dtype, 2)
     flops = 2 * m * n * k
     return Case(lambda x, kernel, b: dense_gelu(x, kernel, b),
                 lambda x, kernel, b: tf.nn.gelu(tf.matmul(x, kernel) + b, approximate=False),
-                [x, kernel, b], {"fwd": flops, "fwd+bwd": 3 * flops})
+                [x, kernel, b], {"fwd": flops, "fwd+bwd": 3 * flops},
+                variants={"gemm": lambda x, kernel, b: tf.matmul(x, kernel)})
 
 
 @_op.register_gradient("FusedlayersLinearGeluEpilogue")
