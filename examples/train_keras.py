@@ -60,6 +60,7 @@ from keras import layers
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+import fusedlayers
 from fusedlayers.keras import FusedLinearGELU, FusedReLUScale, LayerNorm
 from loss_plot import save_loss_plot
 
@@ -194,6 +195,7 @@ def mirrored():
 
 def run(args, replicas: int) -> int:
     x_train, x_test, y_train, y_test = load_data()
+    print(fusedlayers.loaded(keras.backend.backend()))
     print(f"digits: {len(x_train)} train / {len(x_test)} held-out images, Keras "
           f"{keras.__version__} ({keras.backend.backend()} backend), seed {args.seed}, "
           f"{replicas} replica(s)")

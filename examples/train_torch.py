@@ -52,8 +52,9 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from tqdm import tqdm
 
-from loss_plot import save_loss_plot
+import fusedlayers
 from fusedlayers.torch import FusedLinearGELU, FusedReLUScale, LayerNorm, UnfusedReLUScale
+from loss_plot import save_loss_plot
 
 MIN_ACCURACY = 0.90
 LOSS_RTOL = 1e-3  # max |loss_unfused - loss_fused| / loss_unfused over epochs, float32
@@ -203,6 +204,7 @@ def setup(description: str, plot: str, epochs: int = 20):
     if args.threads:
         torch.set_num_threads(args.threads)
     data = load_data(device)
+    say(fusedlayers.loaded("torch"))
     say(f"digits: {len(data[0])} train / {len(data[2])} held-out images, device {device}, "
         f"{torch.get_num_threads()} CPU threads, seed {args.seed}"
         + (f", {args.distributed} over {world_size()} processes" if args.distributed else ""))

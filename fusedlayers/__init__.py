@@ -7,6 +7,7 @@ framework is loaded the first time one of its tensors is seen.
 """
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 # The public ops (the table: fusedlayers.ops), each a function below and in every framework
 # backend (fusedlayers.torch, fusedlayers.tensorflow, fusedlayers.jax) under the same name.
 OPS = ops.NAMES
-__all__ = [*OPS, "NotBuiltError"]
+__all__ = [*OPS, "NotBuiltError", "loaded"]
 
 
 def _backend(x, op: str, **others):
@@ -50,6 +51,20 @@ def _backend(x, op: str, **others):
         return importlib.import_module(f"fusedlayers.{module}")
     raise TypeError(f"fusedlayers.{op}: x must be a torch.Tensor, tf.Tensor, tf.Variable or "
                     f"jax.Array, got {_type_name(x)}")
+
+
+def loaded(*frameworks: str) -> str:
+    """One line saying, for each of `frameworks` ("torch", "tensorflow", "jax") that is
+    installed, whether its fusedlayers library loaded (importing that backend to find out), e.g.
+    "fusedlayers: torch loaded, jax NOT USABLE (python -m fusedlayers info: details)"."""
+    parts = []
+    for framework in frameworks:
+        if importlib.util.find_spec(framework) is None:
+            continue
+        op = importlib.import_module(f"fusedlayers.{framework}._op")
+        parts.append(f"{framework} {'loaded' if op.LOAD_ERROR is None else 'NOT USABLE'}")
+    return "fusedlayers: " + (", ".join(parts) or "no framework installed") + \
+        " (python -m fusedlayers info: details)"
 
 
 def _type_name(value) -> str:

@@ -12,6 +12,7 @@ import importlib.util  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 
+import fusedlayers  # noqa: E402
 from fusedlayers.ops import NAMES as OPS  # noqa: E402
 
 
@@ -65,19 +66,7 @@ def _jax_info() -> bool:
     return True
 
 
-def _loaded(frameworks) -> str:
-    """One line: whether each of `frameworks` (those installed) has its fusedlayers library."""
-    parts = []
-    for framework in frameworks:
-        if importlib.util.find_spec(framework) is None:
-            continue
-        _op = importlib.import_module(f"fusedlayers.{framework}._op")
-        parts.append(f"{framework} {'loaded' if _op.LOAD_ERROR is None else 'NOT USABLE'}")
-    return "fusedlayers: " + ", ".join(parts) + " (python -m fusedlayers info: details)"
-
-
 def info() -> int:
-    import fusedlayers
     print(f"fusedlayers {fusedlayers.__version__}, Python {platform.python_version()}")
     build = os.path.join(os.path.dirname(fusedlayers.__file__), "_build.txt")
     if os.path.exists(build):  # what setup.py built, and why not the rest
@@ -152,8 +141,8 @@ def bench(argv: list[str]) -> int:
         return _bench_model(args, device, name)
     from fusedlayers.bench import table
     tf_rows = device == "cpu" and not args.no_tensorflow and args.framework == "torch"
-    print(_loaded(("jax",) if args.framework == "jax" else ("torch", "tensorflow")[:1 + tf_rows]),
-          flush=True)
+    frameworks = ("jax",) if args.framework == "jax" else ("torch", "tensorflow")[:1 + tf_rows]
+    print(fusedlayers.loaded(*frameworks), flush=True)
     if args.framework == "jax":
         import jax
         from fusedlayers.bench import jax_ops
@@ -165,7 +154,7 @@ def bench(argv: list[str]) -> int:
         rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
                                not args.no_compile, args.reps, tuple(args.ops.split(",")),
                                args.peers, not args.no_tensorflow)
-    table.per_size_copy_ceiling(rows, ceilings)
+    table.per_size_floors(rows, ceilings)
     print(table.format_table(rows, ceilings, name))
     if args.json:
         table.write_json(args.json, rows, ceilings, name)
