@@ -117,16 +117,19 @@ def test_cli_writes_json_and_starts_quietly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-m", "fusedlayers", "bench", "--device", "cpu",
                            "--quick", "--no-compile", "--reps", "2", "--dtypes", "float32",
-                           "--ops", "linear_gelu", "--json", str(out)],
+                           "--ops", "relu_scale,linear_gelu", "--json", str(out)],
                           check=True, capture_output=True, text=True, env=env)
     tf = importlib.util.find_spec("tensorflow") is not None
     assert done.stdout.splitlines()[0] == (f"fusedlayers: torch loaded{', tensorflow loaded' * tf}"
                                            " (python -m fusedlayers info: details)")
     assert done.stderr == "", done.stderr  # TensorFlow's start-up logs among it
     data = json.loads(out.read_text())
-    assert {r["op"] for r in data["rows"]} == {"linear_gelu"}
-    assert all(r["unit"] == "TFLOP/s" and r["ms"] > 0 for r in data["rows"])
-    assert {(r["pass_"], r["impl"]) for r in data["rows"]} >= {("fwd", "gemm"), ("fwd+bwd", "gemm")}
+    assert {r["op"] for r in data["rows"]} == {"relu_scale", "linear_gelu"}
+    assert all(r["unit"] == ("TFLOP/s" if r["op"] == "linear_gelu" else "GB/s") and r["ms"] > 0
+               for r in data["rows"])
+    floors = {(r["op"], r["pass_"], r["impl"]) for r in data["rows"]}
+    assert floors >= {("linear_gelu", "fwd", "gemm"), ("linear_gelu", "fwd+bwd", "gemm"),
+                      ("relu_scale", "fwd", "copy")}
 
 
 def test_model_bench_tiny_bert_on_cpu():

@@ -10,15 +10,16 @@ bandwidth (bytes read + written by a large tensor copy); their forward also gets
 copy of the input into a tensor made once (as the ceiling's copy), moving the same bytes, which is
 the floor at that size (a small op pays launch and tail costs that the large copy amortizes, and
 bytes that fit in a CPU's caches move faster); under half dtypes a "fused-w32" row runs the
-same op with float32 parameters (mixed precision's layout). GEMM-bound ops (linear_gelu) report TFLOP/s over
-2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of the measured
-GEMM rate of the same dtype, with a "gemm" row: the bare GEMMs of the same shape, the floor
-under any epilogue. Times are medians. On CUDA each variant is captured once in a CUDA
-graph and its replays are timed with CUDA events (triton.testing.do_bench when present), so the
-numbers are the kernels' and not Python's launch overhead; a variant that cannot be captured is
-timed directly. On the CPU: the wall clock around synchronous calls, one call of each variant
-per round after untimed rounds, with glibc's malloc keeping freed memory (keep_freed_memory), so
-that rows time the kernels and not page faults of memory the allocator gave back.
+same op with float32 parameters (mixed precision's layout). GEMM-bound ops (linear_gelu) report
+TFLOP/s over 2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of
+the measured GEMM rate of the same dtype, with a "gemm" row: the bare GEMMs of the same shape,
+the floor under any epilogue. Times are medians (on the CPU a floor row's is its fastest call).
+On CUDA each variant is captured once in a CUDA graph and its replays are timed with CUDA events
+(triton.testing.do_bench when present), so the numbers are the kernels' and not Python's launch
+overhead; a variant that cannot be captured is timed directly. On the CPU: the wall clock
+around synchronous calls, one call of each variant per round after untimed rounds, with glibc's
+malloc keeping freed memory (keep_freed_memory), so that rows time the kernels and not page
+faults of memory the allocator gave back.
 
 With peers (`--peers`, CUDA), other libraries' kernels for the same call join the rows where
 they import: Liger-Kernel's Triton LayerNorm and RMSNorm (liger_kernel.ops, its defaults:
@@ -101,9 +102,14 @@ def keep_freed_memory() -> bool:
     return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1)
 
 
+FLOORS = ("copy", "gemm")  # the rows a framework's other rows are judged by (table)
+
+
 def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
-    """The median ms of each of fns, by name. On the CPU they run interleaved, one call of each
-    per round, so a host whose speed drifts (shared cores, clock changes) slows every variant
+    """The median ms of each of fns, by name, and of a floor (FLOORS, any framework's) on the CPU
+    the fastest call: a floor bounds what the others can reach, and a shared host's noise moved
+    a median by more than a GEMM's epilogue costs. On the CPU they run interleaved, one call of
+    each per round, so a host whose speed drifts (shared cores, clock changes) slows every variant
     alike instead of whichever ran during a slow spell."""
     if device.type == "cuda":
         # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
@@ -118,7 +124,8 @@ def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: min(t) if name.removeprefix("tf-") in FLOORS else statistics.median(t)
+            for name, t in times.items()}
 
 
 def copy_bandwidth_gbs(device: torch.device, reps: int) -> float:

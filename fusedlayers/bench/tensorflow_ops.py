@@ -26,7 +26,9 @@ def case(op: ops.Op, shape, dtype_name: str) -> tuple[dict, dict]:
     """(work by pass, {impl: {pass: fn}}) of op at shape: "tf-fused", "tf-eager", the case's
     variants ("tf-gemm") and, forward only, "tf-copy"."""
     c = ops.module(op, "tensorflow").bench_case(shape, getattr(tf, dtype_name))
-    fwd_only = {"copy": lambda x, *_: tf.raw_ops.DeepCopy(x=x)} if op.bench_unit == "GB/s" else {}
+    fwd_only = {}
+    if op.bench_unit == "GB/s":  # TF names a graph's inputs after the arguments: no `*_`
+        fwd_only["copy"] = lambda x, *params: tf.raw_ops.DeepCopy(x=x)
     impls = {}
     for impl, fn in (("fused", c.fused), ("eager", c.eager), *c.variants.items(),
                      *fwd_only.items()):
