@@ -131,8 +131,9 @@ LINEAR_GELU = OpInfo(
     bitwise_parity=False, grad_scales=_linear_gelu_scales,
     # On the CPU the GEMM's output is rounded to x's dtype before the bias is added (the
     # framework's GEMM, then csrc's bias+GELU): where the bias cancels it, that is an ulp of
-    # more than y.
-    ulps=4.0,
+    # more than y, and dx, through GELU's slope at that pre-activation (kept in x's dtype for
+    # the backward), inherits it undamped when out_features is 1 (one product per element).
+    ulps=6.0,
     errors=(
         ErrorInput("in_features", {"x": ((3, 7), "float32"), "weight": ((5, 6), "float32")}, {},
                    False, r"linear_gelu: the last dimension of (input|x) must equal in_features "
