@@ -50,8 +50,8 @@ class BuildWithFrameworks(BuildExtension):
                 continue
             _library = importlib.import_module(f"fusedlayers.{framework}._library")
             cuda_kernels, cuda_why = _library.cuda_build()
-            _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
-            self.summary.append(f"{framework} library: built, "
+            built = _library.build(package_dir / _library.LIBRARY.name, verbose=self.verbose > 1)
+            self.summary.append(f"{framework} library: {_built(built)}, "
                                 f"{'CPU and CUDA' if cuda_kernels else 'CPU'} kernels ({cuda_why})")
         text = "".join(f"{line}\n" for line in self.summary)
         (ROOT / "fusedlayers" / "_build.txt").write_text(text)
@@ -65,7 +65,8 @@ class BuildWithFrameworks(BuildExtension):
         digest = _sources.sources_digest(
             repr((torch.__version__, cuda, os.environ.get("TORCH_CUDA_ARCH_LIST"),
                   ext.extra_compile_args, ext.extra_link_args)), [ROOT / s for s in ext.sources])
-        if _sources.up_to_date(in_tree, digest):
+        built = not _sources.up_to_date(in_tree, digest)
+        if not built:
             print(f"fusedlayers: {target.name} is up to date (built from these sources and flags)")
             if target != in_tree:
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -73,8 +74,12 @@ class BuildWithFrameworks(BuildExtension):
         else:
             super().build_extension(ext)
             _sources.record_build(in_tree, digest)
-        self.summary.append(f"torch extension: built, {'CPU and CUDA' if cuda else 'CPU'} "
-                            f"kernels ({why})")
+        self.summary.append(f"torch extension: {_built(built)}, "
+                            f"{'CPU and CUDA' if cuda else 'CPU'} kernels ({why})")
+
+
+def _built(built: bool) -> str:
+    return "built" if built else "kept (up to date)"
 
 
 cuda, why = _sources.use_cuda("torch", torch.version.cuda, CUDA_HOME, os.environ)

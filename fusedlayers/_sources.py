@@ -116,19 +116,20 @@ def tensorflow_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
 
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],
-                  cuda: bool, verbose: bool = False, key: str = "") -> None:
+                  cuda: bool, verbose: bool = False, key: str = "") -> bool:
     """Compiles `sources` in parallel (g++, or nvcc for .cu) and links the shared library
     `output`. With `cuda`, the CUDA kernels and the toolkit's runtime, linked statically with
     its symbols kept private (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of
     its CUDA version, cannot bind ours. Skipped when `output` was built from the same sources,
-    flags and `key` (the framework's version). Raises NotBuiltError with the failing command."""
+    flags and `key` (the framework's version): False then, True when built. Raises
+    NotBuiltError with the failing command."""
     if not sources:
         raise NotBuiltError(f"fusedlayers: no sources to build {output.name} under {ROOT}")
     digest = sources_digest(repr((key, cflags, ldflags, cuda,
                                   os.environ.get("TORCH_CUDA_ARCH_LIST"))), sources)
     if up_to_date(output, digest):
         print(f"fusedlayers: {output.name} is up to date (built from these sources and flags)")
-        return
+        return False
     cflags = ["-O3", "-fPIC", *CXX_FLAGS, f"-I{ROOT}", *cflags]
     if cuda:
         cuda_home = find_cuda_home()
@@ -164,6 +165,7 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
             list(pool.map(compile_one, zip(sources, objects)))
         run(["g++", "-shared", "-o", str(output), *map(str, objects), *ldflags])
     record_build(output, digest)
+    return True
 
 
 def sources_digest(key: str, sources) -> str:

@@ -135,6 +135,18 @@ def test_jit_sources_have_distinct_object_names():
                          f"({[str(p) for p in _sources.torch_sources() if p.stem in clashes]})")
 
 
+def test_a_library_is_built_once_per_sources_and_flags(tmp_path):
+    from fusedlayers import _sources
+    source, output = tmp_path / "one.cpp", tmp_path / "libone.so"
+    source.write_text("int one() { return 1; }\n")
+    build = lambda flags: _sources.build_library(output, [source], flags, [], cuda=False)  # noqa: E731
+    assert build([]) is True
+    assert build([]) is False  # kept: what setup.py's summary reports as up to date
+    assert build(["-DTWO"]) is True
+    source.write_text("int one() { return 2; }\n")
+    assert build(["-DTWO"]) is True
+
+
 def test_cpu_kernels_use_torchs_openmp_pool():
     # at::parallel_for spreads work over threads only where _OPENMP is defined when the extension
     # compiles (ATen/ParallelOpenMP.h): built without -fopenmp, every csrc CPU kernel silently

@@ -31,7 +31,7 @@ def cuda_build(env=os.environ) -> tuple[bool, str]:
     return _sources.use_cuda("jax", version, _sources.find_cuda_home(env), env)
 
 
-def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None:
+def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool:
     """Compiles the sources (in parallel) and links the library at `output`; with the CUDA
     kernels and handlers when `cuda` (default: cuda_build())."""
     import jax
@@ -45,7 +45,7 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
     if cuda:
         libdir = Path(_sources.find_cuda_home()) / "lib64"
         libs = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", *libs]
-    _sources.build_library(output, _sources.binding_sources("xla", cuda=cuda, gemm=cuda),
+    return _sources.build_library(output, _sources.binding_sources("xla", cuda=cuda, gemm=cuda),
                            [f"-I{jax.ffi.include_dir()}", "-std=c++17"], libs, cuda, verbose,
                            key=f"jax {jax.__version__}")
 

@@ -29,7 +29,7 @@ def cuda_build(env=os.environ) -> tuple[bool, str]:
     return _sources.use_cuda("tensorflow", version, _sources.find_cuda_home(env), env)
 
 
-def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None:
+def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool:
     """Compiles the sources (in parallel) and links the op library at `output`; with the CUDA
     kernels when `cuda` (default: cuda_build())."""
     import tensorflow as tf
@@ -45,7 +45,7 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> None
               *tf.sysconfig.get_compile_flags(), f"-I{include / 'external/highwayhash'}",
               f"-I{include / 'external/farmhash_archive/src'}", "-DFUSEDLAYERS_XLA_TF",
               "-std=c++17", *(["-DGOOGLE_CUDA=1"] if cuda else [])]
-    _sources.build_library(output, _sources.tensorflow_sources(cuda=cuda), cflags,
+    return _sources.build_library(output, _sources.tensorflow_sources(cuda=cuda), cflags,
                            [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"], cuda,
                            verbose, key=f"tensorflow {tf.__version__}")
 
