@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+# TensorFlow's C++ start-up logs off in the test run, as in our own processes (unless set).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Two CPU devices for JAX's sharding tests: XLA reads this when JAX first starts its CPU client.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
