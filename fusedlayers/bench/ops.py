@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from .table import Row, row, shape_name, shapes
+from .table import FLOORS, Row, row, shape_name, shapes
 
 
 def _graphed(fn):
@@ -100,9 +100,6 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1)
-
-
-FLOORS = ("copy", "gemm")  # the rows a framework's other rows are judged by (table)
 
 
 def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:

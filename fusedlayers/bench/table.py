@@ -50,6 +50,9 @@ def row(op, shape: str, dtype_name: str, pass_: str, impl: str, ms: float, work:
 _BASELINES = {"": ("eager", "compile"), "tf-": ("tf-eager", None), "jax-": ("jax-xla", None)}
 
 
+FLOORS = ("copy", "gemm")  # the rows, of each framework, its other rows are judged by
+
+
 def _framework(impl: str) -> str:
     """The prefix that names a row's framework: "" (torch), "tf-" or "jax-"."""
     return next((p for p in ("tf-", "jax-") if impl.startswith(p)), "")
@@ -83,7 +86,7 @@ def per_size_floors(rows: list[Row], ceilings: dict) -> None:
     calls (on the CPU, for bfloat16, oneDNN or a loop). A row above 100% ran faster than that
     floor."""
     floors = {_floor_key(r): r.rate for r in rows
-              if r.impl.removeprefix(_framework(r.impl)) in ("copy", "gemm")}
+              if r.impl.removeprefix(_framework(r.impl)) in FLOORS}
     for r in rows:
         ceiling = ceilings["copy_gbs"] if r.unit == "GB/s" else \
             ceilings.get(f"gemm_tflops_{r.dtype}", 0.0)
