@@ -5,6 +5,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from fusedlayers.bench import memory as mem, models as model_bench, ops as bench
 
 def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
     rows, ceilings = bench.run("cpu", ("float32",), quick=True, compile=False, reps=2,
-                               op_names=("relu_scale", "layer_norm"), tensorflow=False)
+                               op_names=("relu_scale", "layer_norm"), tensorflow=False, rounds=3)
     assert {r.op for r in rows} == {"relu_scale", "layer_norm"}
     assert {(r.pass_, r.impl) for r in rows} == {("fwd", "fused"), ("fwd", "eager"),
                                                  ("fwd", "copy"), ("fwd+bwd", "fused"),
@@ -25,26 +26,59 @@ def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
     assert ceilings["copy_gbs"] > 0
     for r in rows:
         assert r.ms > 0 and r.unit == "GB/s"
+        assert len(r.rounds_ms) == 3 and r.ms == statistics.median(r.rounds_ms)
         assert r.pct_of_peak == pytest.approx(100 * r.rate / ceilings["copy_gbs"])
     table.per_size_floors(rows, ceilings)
     assert all(r.pct_of_peak <= 100 for r in rows if r.impl == "copy")
 
 
+def _row(impl, rounds, rate=1.0, pass_="fwd", op="layer_norm"):
+    return table.Row(op, "8x8", "float32", pass_, impl, statistics.median(rounds), rate, "GB/s",
+                     0.0, list(rounds))
+
+
 def test_table_gives_speedups_and_judges_rows_by_their_own_size_copy():
-    rows = [table.Row("layer_norm", "8x8", "float32", "fwd", impl, ms, rate, "GB/s", 0.0)
-            for impl, ms, rate in [("fused", 1.0, 50.0), ("eager", 2.0, 25.0),
-                                   ("compile", 1.5, 33.0), ("copy", 0.8, 60.0)]]
-    rows.append(table.Row("layer_norm", "8x8", "float32", "fwd", "jax-fused", 1.0, 50.0, "GB/s",
-                          0.0))
-    rows.append(table.Row("layer_norm", "8x8", "float32", "fwd", "jax-xla", 3.0, 17.0, "GB/s",
-                          0.0))
+    rows = [_row("fused", [1.0, 1.0, 1.1], 50.0), _row("eager", [2.0, 2.1, 2.0], 25.0),
+            _row("compile", [1.5, 1.5, 1.5], 33.0), _row("copy", [0.8, 0.8, 0.8], 60.0),
+            _row("jax-fused", [1.0, 1.0, 1.0], 50.0), _row("jax-xla", [3.0, 3.0, 3.0], 17.0)]
     table.per_size_floors(rows, {"copy_gbs": 40.0})  # the in-cache copy is the faster
     assert [round(r.pct_of_peak, 3) for r in rows[:4]] == [83.333, 41.667, 55.0, 100.0]
+    table.judge(rows)
     lines = table.format_table(rows, {"copy_gbs": 40.0}, "cpu").splitlines()
     fused = next(line for line in lines if " fused " in line)
-    assert fused.split()[-2:] == ["2.00x", "1.50x"]  # eager 2 ms, compile 1.5 ms, fused 1 ms
-    assert next(line for line in lines if "jax-fused" in line).split()[-1] == "3.00x"
+    # per-round ratios eager / fused: 2, 2.1, 1.82; compile / fused: 1.5, 1.5, 1.36
+    assert fused.split()[-4:] == ["2.00x", "1.82-2.10", "1.50x", "1.36-1.50"]
+    assert rows[0].spread_pct() == pytest.approx(50 * 0.1 / 1.0)
+    assert next(line for line in lines if "jax-fused" in line).split()[-2:] == ["3.00x",
+                                                                              "3.00-3.00"]
     assert next(line for line in lines if "  eager " in line).rstrip().endswith("%")
+
+
+def test_a_speedup_whose_rounds_straddle_one_is_a_tie(tmp_path):
+    rows = [_row("fused", [1.0, 1.0, 1.0]), _row("eager", [1.05, 0.97, 1.1]),
+            _row("compile", [1.2, 1.3, 1.25])]
+    table.judge(rows)
+    eager, compiled = rows[0].speedups["eager"], rows[0].speedups["compile"]
+    assert eager == {"x": 1.05, "lo": 0.97, "hi": 1.1, "tie": True}
+    assert not compiled["tie"] and compiled["lo"] == 1.2
+    line = table.format_table(rows, {"copy_gbs": 1.0}, "cpu").splitlines()[4]
+    assert "1.05x 0.97-1.10 tie" in line and "1.25x 1.20-1.30" in line
+    path = tmp_path / "rows.json"
+    table.write_json(str(path), rows, {"copy_gbs": 1.0}, "cpu")
+    fused = json.loads(path.read_text())["rows"][0]
+    assert fused["rounds_ms"] == [1.0, 1.0, 1.0] and fused["speedups"]["eager"]["tie"] is True
+    table.plot(str(tmp_path / "rows.png"), rows, "cpu")  # the tie hatched, rounds as error bars
+    assert (tmp_path / "rows.png").stat().st_size > 0
+
+
+def test_a_variant_is_judged_against_its_own_unfused_baseline():
+    """fused-tanh against eager-tanh (not the erf eager row); a variant without one gets none."""
+    rows = [_row("fused", [1.0]), _row("eager", [2.0]), _row("fused-tanh", [3.0]),
+            _row("eager-tanh", [4.5]), _row("fused-w32", [1.0])]
+    table.judge(rows)
+    assert set(rows[2].speedups) == {"eager-tanh"}
+    assert rows[2].speedups["eager-tanh"]["x"] == 1.5
+    assert rows[4].speedups == {}
 
 
 def test_floors_are_each_frameworks_own_and_gemm_floors_each_passes():
@@ -63,14 +97,16 @@ def test_floors_are_each_frameworks_own_and_gemm_floors_each_passes():
 
 def test_run_half_precision_adds_float32_parameter_rows():
     rows, _ = bench.run("cpu", ("bfloat16",), quick=True, compile=False, reps=1,
-                        op_names=("rms_norm",), tensorflow=False)
+                        op_names=("rms_norm",), tensorflow=False, rounds=2)
     impls = {(r.op, r.pass_, r.impl) for r in rows}
-    assert {("rms_norm", p, "fused-w32") for p in ("fwd", "fwd+bwd")} <= impls
+    assert {("rms_norm", p, impl) for p in ("fwd", "fwd+bwd")
+            for impl in ("fused-w32", "eager-w32")} <= impls
+    assert all(len(r.rounds_ms) == 2 for r in rows)
 
 
 def test_run_adds_tensorflow_rows_on_the_cpu():
     pytest.importorskip("tensorflow")
-    rows, _ = bench.run("cpu", ("float32",), quick=True, compile=False, reps=1)
+    rows, _ = bench.run("cpu", ("float32",), quick=True, compile=False, reps=1, rounds=1)
     tf_rows = {(r.op, r.pass_, r.impl) for r in rows if r.impl.startswith("tf-")}
     assert tf_rows == {(op, p, impl) for op in bench.OPS for p in ("fwd", "fwd+bwd")
                        for impl in ("tf-fused", "tf-eager")} | {
@@ -116,8 +152,9 @@ def test_cli_writes_json_and_starts_quietly(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-m", "fusedlayers", "bench", "--device", "cpu",
-                           "--quick", "--no-compile", "--reps", "2", "--dtypes", "float32",
-                           "--ops", "relu_scale,linear_gelu", "--json", str(out)],
+                           "--quick", "--no-compile", "--reps", "2", "--rounds", "2",
+                           "--dtypes", "float32", "--ops", "relu_scale,linear_gelu", "--json",
+                           str(out)],
                           check=True, capture_output=True, text=True, env=env)
     tf = importlib.util.find_spec("tensorflow") is not None
     assert done.stdout.splitlines()[0] == (f"fusedlayers: torch loaded{', tensorflow loaded' * tf}"
@@ -130,6 +167,9 @@ def test_cli_writes_json_and_starts_quietly(tmp_path):
     floors = {(r["op"], r["pass_"], r["impl"]) for r in data["rows"]}
     assert floors >= {("linear_gelu", "fwd", "gemm"), ("linear_gelu", "fwd+bwd", "gemm"),
                       ("relu_scale", "fwd", "copy")}
+    fused = [r for r in data["rows"] if r["impl"] in ("fused", "fused-tanh", "tf-fused")]
+    assert fused and all(len(r["rounds_ms"]) == 2 and set(r["speedups"]) <= {
+        "eager", "eager-tanh", "tf-eager"} and r["speedups"] for r in fused)
 
 
 def test_model_bench_tiny_bert_on_cpu():
@@ -220,8 +260,9 @@ def test_jax_rows_time_fused_against_xla():
     pytest.importorskip("jax")
     from fusedlayers.bench import jax_ops
     rows, ceilings = jax_ops.run(("float32",), quick=True, reps=1, op_names=("rms_norm",),
-                                 iters=1)
+                                 iters=1, rounds=2)
     assert {(r.pass_, r.impl) for r in rows} == {("fwd", "jax-fused"), ("fwd", "jax-xla"),
                                                  ("fwd", "jax-copy"), ("fwd+bwd", "jax-fused"),
                                                  ("fwd+bwd", "jax-xla")}
-    assert all(r.ms > 0 and r.unit == "GB/s" for r in rows) and ceilings["copy_gbs"] > 0
+    assert all(r.ms > 0 and r.unit == "GB/s" and len(r.rounds_ms) == 2 for r in rows)
+    assert ceilings["copy_gbs"] > 0

@@ -6,9 +6,11 @@ runs on.
 Device time per call: each variant runs `iters` times inside one jitted lax.fori_loop, so host
 dispatch is amortised, and its carry holds every output of the last call (XLA drops outputs
 nobody reads); the input of each call passes through an optimization barrier with the loop
-index, so XLA cannot hoist the loop-invariant call out of the loop. The median over `reps`
-runs of the loop, divided by `iters`. A negation of x (a copy XLA cannot elide), timed the same
-way, is the ceiling of the memory-bound ops and, at each shape, their floor.
+index, so XLA cannot hoist the loop-invariant call out of the loop. A round times each variant
+of a case and pass in turn: the median of `reps` runs of its loop, divided by `iters`; rows
+report their rounds as the torch bench's do (bench.table). A negation of x (a copy XLA cannot
+elide), timed the same way, is the ceiling of the memory-bound ops and, at each shape, their
+floor.
 """
 
 import statistics
@@ -46,9 +48,8 @@ def _fwd_bwd(fn, n_inputs: int):
     return run
 
 
-def median_ms(fn, inputs, reps: int, iters: int) -> float:
-    loop = _looped(fn, inputs, iters)
-    jax.block_until_ready(loop())  # compile and warm up
+def _ms(loop, reps: int, iters: int) -> float:
+    """The median ms per call of `reps` runs of a compiled loop of `iters` calls."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -57,55 +58,75 @@ def median_ms(fn, inputs, reps: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth_gbs(reps: int, iters: int) -> float:
+def time_rounds(fns: dict, inputs, rounds: int, reps: int, iters: int) -> dict:
+    """name -> each round's ms per call of fns[name](*inputs), the fns timed in turn each round,
+    after each loop's compilation and a warm-up run."""
+    loops = {name: _looped(fn, inputs, iters) for name, fn in fns.items()}
+    for loop in loops.values():
+        jax.block_until_ready(loop())
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            times[name].append(_ms(loop, reps, iters))
+    return times
+
+
+def copy_bandwidth_gbs(rounds: int, reps: int, iters: int) -> float:
     n = 1 << 28 if jax.default_backend() == "gpu" else 1 << 25
     x = jnp.ones((n,), jnp.float32)
-    ms = median_ms(jnp.negative, [x], reps, iters)  # one read, one write (a copy XLA elides)
+    # one read, one write (a copy XLA elides); the fastest round: the ceiling
+    ms = min(time_rounds({"copy": jnp.negative}, [x], rounds, reps, iters)["copy"])
     return 2 * x.nbytes / ms / 1e6
 
 
-def gemm_tflops(dtype, reps: int, iters: int) -> float:
+def gemm_tflops(dtype, rounds: int, reps: int, iters: int) -> float:
     n = 8192 if jax.default_backend() == "gpu" else 1024
     a = jnp.ones((n, n), dtype)
-    ms = median_ms(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32).astype(dtype),
-                   [a], reps, iters)
+
+    def gemm(a):
+        return jnp.matmul(a, a, preferred_element_type=jnp.float32).astype(dtype)
+    ms = min(time_rounds({"gemm": gemm}, [a], rounds, reps, iters)["gemm"])
     return 2 * n ** 3 / ms / 1e9
 
 
-def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = 10,
-        op_names=ops.NAMES, iters: int | None = None) -> tuple[list[Row], dict]:
+ROUNDS, REPS = 5, 4  # rounds of every row, and loop runs per round
+
+
+def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = REPS,
+        op_names=ops.NAMES, iters: int | None = None, rounds: int = ROUNDS
+        ) -> tuple[list[Row], dict]:
     """Rows "jax-fused", "jax-xla", the case's variants ("jax-gemm") and "jax-copy" for the
-    memory-bound forwards, of every op, shape, dtype and pass, and the ceilings measured for
-    them."""
+    memory-bound forwards, of every op, shape, dtype and pass, each timed in `rounds` rounds
+    interleaved with the others of its case and pass, and the ceilings measured for them."""
     unknown = set(op_names) - set(ops.NAMES)
     if unknown:
         raise ValueError(f"bench: ops must be among {ops.NAMES}, got {sorted(unknown)}")
     gpu = jax.default_backend() == "gpu"
     iters = iters or (50 if gpu else 3)
     device = "cuda" if gpu else "cpu"
-    ceilings = {"copy_gbs": copy_bandwidth_gbs(reps, iters)}
+    ceilings = {"copy_gbs": copy_bandwidth_gbs(rounds, reps, iters)}
     rows = []
     for dtype_name in dtypes:
         dtype = getattr(jnp, dtype_name)
-        ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dtype, reps, iters)
+        ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dtype, rounds, reps, iters)
         for op in ops.OPS:
             if op.name not in op_names:
                 continue
             for shape in shapes(device, quick)[op.name]:
                 case = ops.module(op, "jax").bench_case(shape, dtype)
+                dy = jax.random.normal(jax.random.key(1),
+                                       jax.eval_shape(case.fused, *case.inputs).shape, dtype)
                 for pass_ in ("fwd", "fwd+bwd"):
                     impls = {"jax-fused": case.fused, "jax-xla": case.eager,
                              **{"jax-" + name: fn for name, fn in case.variants.items()}}
                     if op.bench_unit == "GB/s" and pass_ == "fwd":
                         impls["jax-copy"] = lambda x, *_: -x  # same bytes as the forward
-                    dy = jax.random.normal(jax.random.key(1),
-                                           jax.eval_shape(case.fused, *case.inputs).shape, dtype)
-                    for impl, fn in impls.items():
-                        if pass_ == "fwd":
-                            ms = median_ms(fn, case.inputs, reps, iters)
-                        else:
-                            ms = median_ms(_fwd_bwd(fn, len(case.inputs)), [*case.inputs, dy],
-                                           reps, iters)
-                        rows.append(row(op, shape_name(shape), dtype_name, pass_, impl, ms,
-                                         case.work[pass_], ceilings))
+                    if pass_ == "fwd":
+                        times = time_rounds(impls, case.inputs, rounds, reps, iters)
+                    else:
+                        n = len(case.inputs)
+                        times = time_rounds({impl: _fwd_bwd(fn, n) for impl, fn in impls.items()},
+                                            [*case.inputs, dy], rounds, reps, iters)
+                    rows += [row(op, shape_name(shape), dtype_name, pass_, impl, ms,
+                                 case.work[pass_], ceilings) for impl, ms in times.items()]
     return rows, ceilings

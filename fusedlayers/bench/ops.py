@@ -13,13 +13,14 @@ bytes that fit in a CPU's caches move faster); under half dtypes a "fused-w32" r
 same op with float32 parameters (mixed precision's layout). GEMM-bound ops (linear_gelu) report
 TFLOP/s over 2*M*N*K per GEMM (one forward, three for forward+backward) and the percentage of
 the measured GEMM rate of the same dtype, with a "gemm" row: the bare GEMMs of the same shape,
-the floor under any epilogue. Times are medians (on the CPU a floor row's is its fastest call).
-On CUDA each variant is captured once in a CUDA graph and its replays are timed with CUDA events
-(triton.testing.do_bench when present), so the numbers are the kernels' and not Python's launch
-overhead; a variant that cannot be captured is timed directly. On the CPU: the wall clock
-around synchronous calls, one call of each variant per round after untimed rounds, with glibc's
-malloc keeping freed memory (keep_freed_memory), so that rows time the kernels and not page
-faults of memory the allocator gave back.
+the floor under any epilogue. Every row is timed in rounds interleaved with the other rows of
+its case and pass (time_rounds; bench.table says how a row's spread and its speedups' intervals
+come from them). On CUDA each variant is captured once in a CUDA graph and its replays are timed
+with CUDA events (triton.testing.do_bench when present), so the numbers are the kernels' and not
+Python's launch overhead; a variant that cannot be captured is timed directly. On the CPU: the
+wall clock around synchronous calls, one call of each variant in turn after untimed rounds, with
+glibc's malloc keeping freed memory (keep_freed_memory), so that rows time the kernels and not
+page faults of memory the allocator gave back.
 
 With peers (`--peers`, CUDA), other libraries' kernels for the same call join the rows where
 they import: Liger-Kernel's Triton LayerNorm and RMSNorm (liger_kernel.ops, its defaults:
@@ -54,30 +55,27 @@ def _graphed(fn):
     return graph.replay
 
 
-def _median_ms(fn, device: torch.device, reps: int, graph: bool = True) -> float:
-    if device.type == "cuda":
-        fn = _graphed(fn) if graph else fn
-        try:
-            from triton.testing import do_bench
-            return do_bench(fn, warmup=25, rep=100, return_mode="median")
-        except ImportError:
-            pass
-        fn()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+# Per round on CUDA: do_bench's warm-up and measuring time (ms), or, without triton, CUDA-event
+# timed calls.
+CUDA_WARMUP_MS, CUDA_ROUND_MS = 5, 30
+
+
+def _cuda_ms(fn, reps: int) -> float:
+    """The median ms of fn's device work on the current stream."""
+    try:
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=CUDA_WARMUP_MS, rep=CUDA_ROUND_MS, return_mode="median")
+    except ImportError:
+        pass
     fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -102,44 +100,56 @@ def keep_freed_memory() -> bool:
     return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1)
 
 
-def _median_ms_each(fns: dict, device: torch.device, reps: int) -> dict:
-    """The median ms of each of fns, by name, and of a floor (FLOORS, any framework's) on the CPU
-    the fastest call: a floor bounds what the others can reach, and a shared host's noise moved
-    a median by more than a GEMM's epilogue costs. On the CPU they run interleaved, one call of
-    each per round, so a host whose speed drifts (shared cores, clock changes) slows every variant
-    alike instead of whichever ran during a slow spell."""
+def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int) -> dict:
+    """Each of fns timed in `rounds` interleaved rounds: name -> each round's ms. In a round
+    every fn is timed once after the other: on CUDA the median of its calls over CUDA_ROUND_MS
+    (reps CUDA-event timed calls without triton); on the CPU `reps` calls, one of each fn in
+    turn, after CPU_WARMUP_ROUNDS untimed ones, the round's median (a floor's, FLOORS of any
+    framework: its fastest call, as a floor bounds the others and a shared host's noise moves a
+    median by more than a GEMM's epilogue costs). Interleaving makes a host whose speed drifts
+    (shared cores, clock changes) slow every fn alike instead of whichever ran in a slow spell."""
+    times = {name: [] for name in fns}
     if device.type == "cuda":
         # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
-        return {name: _median_ms(fn, device, reps, graph=name != "copy")
-                for name, fn in fns.items()}
+        fns = {name: fn if name == "copy" else _graphed(fn) for name, fn in fns.items()}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(_cuda_ms(fn, reps))
+        return times
     for _ in range(CPU_WARMUP_ROUNDS):
         for fn in fns.values():
             fn()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: min(t) if name.removeprefix("tf-") in FLOORS else statistics.median(t)
-            for name, t in times.items()}
+    for _ in range(rounds):
+        calls = {name: [] for name in fns}
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                calls[name].append((time.perf_counter() - t0) * 1e3)
+        for name, t in calls.items():
+            times[name].append(min(t) if name.removeprefix("tf-") in FLOORS
+                               else statistics.median(t))
+    return times
 
 
-def copy_bandwidth_gbs(device: torch.device, reps: int) -> float:
-    """Bytes read + written per second by a device-to-device copy of a large tensor."""
+def copy_bandwidth_gbs(device: torch.device, rounds: int, reps: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of a large tensor (its fastest
+    round: the ceiling)."""
     n = (1 << 28) if device.type == "cuda" else (1 << 25)
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    # Not graphed: a captured copy_ becomes a memcpy node that runs slower than the copy kernel.
-    ms = _median_ms(lambda: dst.copy_(src), device, reps, graph=False)
+    # Not graphed (named "copy"): a captured copy_ becomes a memcpy node that runs slower than
+    # the copy kernel.
+    ms = min(time_rounds({"copy": lambda: dst.copy_(src)}, device, rounds, reps)["copy"])
     return 2 * src.nbytes / ms / 1e6
 
 
-def gemm_tflops(device: torch.device, dtype: torch.dtype, reps: int) -> float:
+def gemm_tflops(device: torch.device, dtype: torch.dtype, rounds: int, reps: int) -> float:
+    """The rate of a square GEMM (its fastest round: the ceiling)."""
     n = 8192 if device.type == "cuda" else 512  # CPU bfloat16 GEMMs may be a slow loop
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = _median_ms(lambda: a @ b, device, reps)
+    ms = min(time_rounds({"gemm": lambda: a @ b}, device, rounds, reps)["gemm"])
     return 2 * n**3 / ms / 1e9
 
 
@@ -154,37 +164,42 @@ def _fwd_bwd(fn, inputs):
 OPS = ops.NAMES
 
 
+ROUNDS, CPU_REPS = 5, 10  # rounds of every row, and calls per round on the CPU
+
+
 def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
-        compile: bool = True, reps: int = 20, op_names=OPS,
-        peers: bool = False, tensorflow: bool = True) -> tuple[list[Row], dict]:
-    """Rows of every op, shape, dtype, pass and variant, and the ceilings measured for them. On
-    the CPU, with `tensorflow` and the op library loadable, TensorFlow's rows follow each dtype's
-    torch rows (fusedlayers.bench_tf)."""
+        compile: bool = True, reps: int = CPU_REPS, op_names=OPS,
+        peers: bool = False, tensorflow: bool = True, rounds: int = ROUNDS
+        ) -> tuple[list[Row], dict]:
+    """Rows of every op, shape, dtype, pass and variant, and the ceilings measured for them, each
+    row timed in `rounds` rounds interleaved with the others of its case and pass (time_rounds:
+    `reps` calls a round on the CPU). On the CPU, with `tensorflow` and the op library loadable,
+    TensorFlow's rows follow each dtype's torch rows (fusedlayers.bench.tensorflow_ops)."""
     unknown = set(op_names) - set(OPS)
     if unknown:
         raise ValueError(f"bench: ops must be among {OPS}, got {sorted(unknown)}")
     dev = torch.device(device)
     if dev.type == "cpu":
         keep_freed_memory()
-    ceilings = {"copy_gbs": copy_bandwidth_gbs(dev, reps)}
+    ceilings = {"copy_gbs": copy_bandwidth_gbs(dev, rounds, reps)}
     rows = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dev, dtype, reps)
+        ceilings[f"gemm_tflops_{dtype_name}"] = gemm_tflops(dev, dtype, rounds, reps)
         for op in ops.OPS:
             if op.name not in op_names:
                 continue
             for shape in shapes(dev.type, quick)[op.name]:
                 case = ops.module(op, "torch").bench_case(shape, dtype, dev, peers)
-                rows += _case_rows(op, shape_name(shape), dtype_name, case, dev, compile, reps,
-                                   ceilings)
+                rows += _case_rows(op, shape_name(shape), dtype_name, case, dev, compile,
+                                   rounds, reps, ceilings)
         if tensorflow and dev.type == "cpu" and _tensorflow_usable():
-            rows += _tensorflow_rows(quick, dtype_name, op_names, reps, ceilings)
+            rows += _tensorflow_rows(quick, dtype_name, op_names, rounds, reps, ceilings)
     return rows, ceilings
 
 
 def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile: bool,
-               reps: int, ceilings: dict) -> list:
+               rounds: int, reps: int, ceilings: dict) -> list:
     rows = []
     for pass_ in ("fwd", "fwd+bwd"):
         impls = {"fused": case.fused, "eager": case.eager, **case.variants,
@@ -201,7 +216,7 @@ def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile
             timed[impl] = fn if pass_ == "fwd" else _fwd_bwd(fn, [case.inputs[0], *leaves])
             if pass_ == "fwd":
                 timed[impl] = torch.no_grad()(timed[impl])
-        for impl, ms in _median_ms_each(timed, dev, reps).items():
+        for impl, ms in time_rounds(timed, dev, rounds, reps).items():
             rows.append(row(op, shape, dtype_name, pass_, impl, ms, case.work[pass_],
                              ceilings))
     return rows
@@ -215,7 +230,8 @@ def _tensorflow_usable() -> bool:
     return _op.LOAD_ERROR is None
 
 
-def _tensorflow_rows(quick: bool, dtype_name: str, op_names, reps: int, ceilings: dict) -> list:
+def _tensorflow_rows(quick: bool, dtype_name: str, op_names, rounds: int, reps: int,
+                     ceilings: dict) -> list:
     """The same ops in TensorFlow on the CPU (fusedlayers.bench.tensorflow_ops), as "tf-fused"
     and "tf-eager" rows, timed interleaved like the torch ones."""
     from . import tensorflow_ops
@@ -228,7 +244,7 @@ def _tensorflow_rows(quick: bool, dtype_name: str, op_names, reps: int, ceilings
             work, impls = tensorflow_ops.case(op, shape, dtype_name)
             for pass_ in ("fwd", "fwd+bwd"):
                 timed = {impl: passes[pass_] for impl, passes in impls.items() if pass_ in passes}
-                for impl, ms in _median_ms_each(timed, torch.device("cpu"), reps).items():
+                for impl, ms in time_rounds(timed, torch.device("cpu"), rounds, reps).items():
                     rows.append(row(op, shape_name(shape), dtype_name, pass_, impl, ms,
                                      work[pass_], ceilings))
     return rows

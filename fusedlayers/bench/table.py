@@ -1,9 +1,17 @@
 """The bench's rows, shapes and outputs, shared by its torch, TensorFlow and JAX runs: a timing
 as a Row (GB/s or TFLOP/s against the measured ceilings, by the op table's unit), the shapes the
-op table gives a device, and the table, JSON and plot of the rows. Imports no framework."""
+op table gives a device, how sure each speedup is, and the table, JSON and plot of the rows.
+Imports no framework.
+
+Every row is timed in rounds, interleaved with the other rows of its op, shape, dtype and pass
+(its baselines among them): a row's time is the median of its rounds, its spread their range. A
+fused row's speedup over a baseline is the median of the per-round ratios (baseline / fused, the
+two timed side by side in each round, so a drift of the host or the clocks hits both), its
+interval their range; an interval that includes 1.0 is a tie."""
 
 import json
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
 
 from .. import ops
 
@@ -15,10 +23,18 @@ class Row:
     dtype: str
     pass_: str
     impl: str
-    ms: float
+    ms: float  # the median of rounds_ms
     rate: float  # GB/s or TFLOP/s
     unit: str
     pct_of_peak: float
+    rounds_ms: list = field(default_factory=list)  # each round's time, interleaved
+    # baseline impl -> {"x": median ratio, "lo", "hi": its range, "tie": lo <= 1 <= hi}
+    speedups: dict = field(default_factory=dict)
+
+    def spread_pct(self) -> float:
+        """Half the range of the rounds, in % of the median."""
+        return 50 * (max(self.rounds_ms) - min(self.rounds_ms)) / self.ms if self.rounds_ms \
+            else 0.0
 
 
 def shapes(device_type: str, quick: bool) -> dict:
@@ -34,19 +50,22 @@ def shape_name(shape) -> str:
     return "x".join(map(str, shape))
 
 
-def row(op, shape: str, dtype_name: str, pass_: str, impl: str, ms: float, work: float,
+def row(op, shape: str, dtype_name: str, pass_: str, impl: str, rounds_ms: list, work: float,
          ceilings: dict) -> Row:
-    """A timing as a Row: TFLOP/s of the flops, or GB/s of the bytes, the op's case counts."""
+    """A timing (each round's ms) as a Row: TFLOP/s of the flops, or GB/s of the bytes, the op's
+    case counts, at the median round."""
+    ms = statistics.median(rounds_ms)
     if op.bench_unit == "TFLOP/s":
         rate, peak = work / ms / 1e9, ceilings[f"gemm_tflops_{dtype_name}"]
     else:
         rate, peak = work / ms / 1e6, ceilings["copy_gbs"]
     return Row(op.name, shape, dtype_name, pass_, impl, ms, rate, op.bench_unit,
-               100 * rate / peak)
+               100 * rate / peak, list(rounds_ms))
 
 
 # What a fused row is compared with, by its framework's prefix: the unfused op ("x eager", under
-# JAX XLA's own) and, in torch, torch.compile of it ("x compile").
+# JAX XLA's own) and, in torch, torch.compile of it ("x compile"). A variant "fused-<v>" is
+# compared with "eager-<v>" and "compile-<v>" (the unfused computation of the same variant).
 _BASELINES = {"": ("eager", "compile"), "tf-": ("tf-eager", None), "jax-": ("jax-xla", None)}
 
 
@@ -58,18 +77,38 @@ def _framework(impl: str) -> str:
     return next((p for p in ("tf-", "jax-") if impl.startswith(p)), "")
 
 
-def _speedups(rows: list[Row]) -> dict:
-    """id(row) -> (x eager, x compile) for each fused row: the baseline's ms / the row's ms."""
-    ms = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r.ms for r in rows}
-    out = {}
+def _baselines(impl: str) -> tuple:
+    """The impls a fused row is compared with (x eager, x compile), None where it has none."""
+    prefix = _framework(impl)
+    variant = impl.removeprefix(prefix).removeprefix("fused")
+    return tuple(None if b is None else b + variant for b in _BASELINES[prefix])
+
+
+def speedup(baseline_rounds: list, rounds: list) -> dict:
+    """The speedup of a row over a baseline timed in the same rounds: the median of the
+    per-round ratios, their range, and whether that range includes 1.0 (a tie)."""
+    ratios = sorted(b / r for b, r in zip(baseline_rounds, rounds))
+    lo, hi = ratios[0], ratios[-1]
+    return {"x": statistics.median(ratios), "lo": lo, "hi": hi, "tie": lo <= 1.0 <= hi}
+
+
+def judge(rows: list[Row]) -> None:
+    """Sets each fused row's speedups over its baselines (_baselines) timed in the same run."""
+    by_key = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r for r in rows}
     for r in rows:
-        prefix = _framework(r.impl)
-        if not r.impl.removeprefix(prefix).startswith("fused"):
+        if not r.impl.removeprefix(_framework(r.impl)).startswith("fused"):
             continue
-        key = (r.op, r.shape, r.dtype, r.pass_)
-        out[id(r)] = tuple(None if b is None or (*key, b) not in ms else ms[(*key, b)] / r.ms
-                           for b in _BASELINES[prefix])
-    return out
+        for b in _baselines(r.impl):
+            base = by_key.get((r.op, r.shape, r.dtype, r.pass_, b))
+            if base is not None and len(base.rounds_ms) == len(r.rounds_ms) > 0:
+                r.speedups[b] = speedup(base.rounds_ms, r.rounds_ms)
+
+
+def format_speedup(s: dict | None) -> str:
+    """"1.23x 1.20-1.26", and " tie" where the range includes 1.0."""
+    if s is None:
+        return ""
+    return f"{s['x']:.2f}x {s['lo']:.2f}-{s['hi']:.2f}" + (" tie" if s["tie"] else "")
 
 
 def _floor_key(r: Row) -> tuple:
@@ -96,46 +135,63 @@ def per_size_floors(rows: list[Row], ceilings: dict) -> None:
 
 
 def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
-    speedups = _speedups(rows)
-    fmt = lambda v: f"{v:>9.2f}x" if v is not None else f"{'':>10}"  # noqa: E731
+    """The rows as a table; judge(rows) first gives the fused rows their speedups."""
+    rounds = max((len(r.rounds_ms) for r in rows), default=0)
     lines = [f"device: {device_name}",
              "ceilings: " + ", ".join(f"{k} {v:.4g}" for k, v in ceilings.items()) +
              " (% peak: of the larger of the ceiling and the row's own copy or gemm row of its "
              "framework)",
-             f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<11}"
-             f"{'ms':>10}{'rate':>12}{'unit':>9}{'% peak':>8}{'x eager':>10}{'x compile':>10}"]
+             f"ms: the median of {rounds} interleaved rounds, +-%: half their range; x eager, "
+             f"x compile: the median of the per-round ratios and their range, a tie where it "
+             f"includes 1.0",
+             f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<12}"
+             f"{'ms':>10}{'+-%':>6}{'rate':>10}{'unit':>9}{'% peak':>8}  {'x eager':<21}"
+             f"x compile"]
     for r in rows:
-        eager, compiled = speedups.get(id(r), (None, None))
-        lines.append(f"{r.op:<12}{r.shape:<24}{r.dtype:<10}{r.pass_:<9}{r.impl:<11}"
-                     f"{r.ms:>10.4f}{r.rate:>12.1f}{r.unit:>9}{r.pct_of_peak:>7.1f}%"
-                     f"{fmt(eager)}{fmt(compiled)}")
+        eager, compiled = (r.speedups.get(b) if b else None for b in _baselines(r.impl))
+        lines.append(f"{r.op:<12}{r.shape:<24}{r.dtype:<10}{r.pass_:<9}{r.impl:<12}"
+                     f"{r.ms:>10.4f}{r.spread_pct():>6.1f}{r.rate:>10.1f}{r.unit:>9}"
+                     f"{r.pct_of_peak:>7.1f}%  {format_speedup(eager):<21}"
+                     f"{format_speedup(compiled):<21}".rstrip())
     return "\n".join(lines)
 
 
 def write_json(path: str, rows: list[Row], ceilings: dict, device_name: str) -> None:
+    """The rows with their rounds and speedups (judge(rows) first)."""
     with open(path, "w") as f:
         json.dump({"device": device_name, "ceilings": ceilings,
                    "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
 def plot(path: str, rows: list[Row], device_name: str) -> None:
-    """One bar group per (op, shape, dtype, pass): % of the device ceiling for each impl."""
+    """One bar group per (op, shape, dtype, pass): % of the device ceiling for each impl, with
+    the range of its rounds; a fused row that ties its eager baseline is hatched."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = list(dict.fromkeys((r.op, r.shape, r.dtype, r.pass_) for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
-    pct = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r.pct_of_peak for r in rows}
+    by_key = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r for r in rows}
     fig, ax = plt.subplots(figsize=(max(8, 0.4 * len(keys)), 7))
     width = 0.8 / len(impls)
     for i, impl in enumerate(impls):
-        ax.bar([k + i * width for k in range(len(keys))],
-               [pct.get((*key, impl), 0) for key in keys], width, label=impl)
+        found = [(k, by_key[(*key, impl)]) for k, key in enumerate(keys)
+                 if (*key, impl) in by_key]
+        xs = [k + i * width for k, _ in found]
+        pct = [r.pct_of_peak for _, r in found]
+        # % of peak goes as 1 / ms: the slowest round gives the bar's low end
+        err = [[p - p * r.ms / max(r.rounds_ms or [r.ms]) for p, (_, r) in zip(pct, found)],
+               [p * r.ms / min(r.rounds_ms or [r.ms]) - p for p, (_, r) in zip(pct, found)]]
+        bars = ax.bar(xs, pct, width, yerr=err, capsize=1.5, label=impl)
+        for bar, (_, r) in zip(bars, found):
+            eager = _baselines(r.impl)[0]
+            if eager in r.speedups and r.speedups[eager]["tie"]:
+                bar.set_hatch("//")
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
     ax.set_xticklabels([" ".join(k) for k in keys], rotation=75, fontsize=7)
-    ax.set_ylabel("% of measured copy bandwidth / GEMM rate")
-    ax.set_title(f"fusedlayers bench on {device_name}")
+    ax.set_ylabel("% of measured copy bandwidth / GEMM rate (bars: range of the rounds)")
+    ax.set_title(f"fusedlayers bench on {device_name} (hatched: a fused row that ties eager)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

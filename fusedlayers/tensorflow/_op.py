@@ -65,9 +65,10 @@ def trailing_shape(op: str, x: tf.Tensor, k: int) -> list:
     return [int(d) for d in dims]
 
 
-def random(shape, dtype: tf.DType, seed: int = 0) -> tf.Tensor:
-    """Normal random values of `shape` rounded to dtype (the bench's inputs)."""
-    values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+def random(shape, dtype: tf.DType, seed: int = 0, scale: float = 1.0) -> tf.Tensor:
+    """Normal random values of `shape` and standard deviation `scale`, rounded to dtype (the
+    bench's inputs)."""
+    values = scale * np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
     return tf.constant(values, dtype=dtype)
 
 

@@ -41,10 +41,11 @@ def _matmul_epilogue(op, x, w, bias, approximate, transpose):
 
 def bench_case(shape, dtype: tf.DType) -> Case:
     """Against a Dense layer's matmul + bias + tf.nn.gelu, with Dense's (in, out) kernel; "gemm":
-    the bare matmul."""
+    the bare matmul. At a layer's scales: kernel and bias ~ N(0, 1 / in_features), so the
+    pre-activation is ~ N(0, 1)."""
     m, k, n = shape
-    x, kernel, b = _op.random((m, k), dtype), _op.random((k, n), dtype, 1), \
-        _op.random((n,), dtype, 2)
+    x, kernel, b = _op.random((m, k), dtype), _op.random((k, n), dtype, 1, k ** -0.5), \
+        _op.random((n,), dtype, 2, k ** -0.5)
     flops = 2 * m * n * k
     return Case(lambda x, kernel, b: dense_gelu(x, kernel, b),
                 lambda x, kernel, b: tf.nn.gelu(tf.matmul(x, kernel) + b, approximate=False),
