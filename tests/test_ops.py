@@ -446,16 +446,24 @@ def test_jax_check_grads(op, s, dtype, device, rng, jax):
 
 @pytest.mark.parametrize("op,e", [pytest.param(op, e, id=f"{op.name}-{e.id}")
                                   for op in OP_DB for e in op.errors])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", ["eager", "jit", "make_jaxpr", "grad", "vmap"])
 def test_jax_errors(op, e, mode, jax):
-    """The binding's own rules (dtypes csrc does not take, argument types) raise before the call
-    (TypeError/ValueError); csrc's fail the custom call with csrc's message."""
+    """Every argument error is raised while tracing (shapes and dtypes are static in JAX), as
+    TypeError (dtypes) or ValueError with csrc's message, eagerly and under jit, grad and vmap:
+    jax.make_jaxpr only traces, so an error that waited for XLA would not be raised there."""
     jnp = jax.numpy
     tensors = {n: jnp.ones(shape, dt) for n, (shape, dt) in e.tensors.items()}
 
-    def call():
-        return getattr(fl, op.name)(**tensors, **e.kwargs)
+    def call(**ts):
+        return getattr(fl, op.name)(**ts, **e.kwargs)
 
-    expected = (TypeError if e.type_error else ValueError, jax.errors.JaxRuntimeError)
-    with pytest.raises(expected, match=e.match):
-        jax.block_until_ready((call if mode == "eager" else jax.jit(call))())
+    run = {"eager": lambda: call(**tensors),
+           "jit": lambda: jax.jit(call)(**tensors),
+           "make_jaxpr": lambda: jax.make_jaxpr(call)(**tensors),
+           "grad": lambda: jax.grad(lambda ts: jnp.sum(call(**ts)).astype(jnp.float32),
+                                    allow_int=True)(tensors),
+           # every argument gains a leading mapped axis: the op sees the shapes above
+           "vmap": lambda: jax.vmap(lambda ts: call(**ts))(
+               {n: jnp.stack([t, t]) for n, t in tensors.items()})}[mode]
+    with pytest.raises(TypeError if e.type_error else ValueError, match=e.match):
+        run()

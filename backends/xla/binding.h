@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <memory>
@@ -48,6 +49,33 @@ inline TensorRef ref(const AnyBuffer& b, bool defined = true) {
 }
 
 inline Sizes sizes(Dims dims) { return {dims.begin(), static_cast<int64_t>(dims.size())}; }
+
+// A tensor as a JAX trace knows it, its dtype and dims without data: an operand of the
+// trace-time checks `fusedlayers_xla_<op>_check`, which Python calls with the static shapes,
+// dtypes and attributes of a call before anything reaches XLA (fusedlayers/jax/_op.check).
+struct TracedTensor {
+  int32_t dtype;    // csrc's DType
+  int32_t defined;  // 0 for an absent optional argument
+  int64_t ndim;
+  const int64_t* dims;
+};
+
+inline TensorRef ref(const TracedTensor* t) {
+  return {nullptr, static_cast<DType>(t->dtype), {t->dims, t->ndim}, t->defined != 0};
+}
+
+// Runs csrc's argument checks `check` for a trace: 0 when they pass, else 1 for a value error
+// or 2 for a dtype error (csrc's Error::Kind), with csrc's message in msg (NUL-terminated).
+template <typename Fn>
+int check_for_trace(Fn&& check, char* msg, size_t msg_size) {
+  try {
+    check();
+    return 0;
+  } catch (const Error& e) {
+    std::snprintf(msg, msg_size, "%s", e.what());
+    return e.kind == Error::Kind::kType ? 2 : 1;
+  }
+}
 
 inline void* data(Out& out) { return out->untyped_data(); }
 

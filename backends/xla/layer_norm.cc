@@ -54,3 +54,17 @@ const auto kBackwardSig = [](auto b) {
 }  // namespace fusedlayers::xla_binding
 
 FUSEDLAYERS_XLA_OP(layer_norm);
+
+// The forward's argument checks for a trace (binding.h, TracedTensor).
+FUSEDLAYERS_XLA_EXPORT int fusedlayers_xla_layer_norm_check(
+    const fusedlayers::xla_binding::TracedTensor* x,
+    const fusedlayers::xla_binding::TracedTensor* weight,
+    const fusedlayers::xla_binding::TracedTensor* bias, const int64_t* normalized_shape,
+    int64_t normalized_ndim, float eps, bool rms_scaling, char* msg, size_t msg_size) {
+  using namespace fusedlayers;
+  using namespace fusedlayers::xla_binding;
+  return check_for_trace([&] {
+    layer_norm_forward_check({ref(x), {normalized_shape, normalized_ndim}, ref(weight),
+                              ref(bias), eps, rms_scaling});
+  }, msg, msg_size);
+}

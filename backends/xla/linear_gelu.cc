@@ -4,6 +4,7 @@
 // pre-activation only when with_pre (its result is then like h, else empty and y is written as
 // pre, which the epilogue allows).
 #include "backends/xla/binding.h"
+#include "csrc/linear_gelu.h"
 #include "csrc/linear_gelu_epilogue.h"
 
 namespace fusedlayers::xla_binding {
@@ -51,3 +52,18 @@ const auto kBackwardSig = [](auto b) {
 }  // namespace fusedlayers::xla_binding
 
 FUSEDLAYERS_XLA_OP(linear_gelu);
+
+// The whole op's argument checks for a trace (binding.h, TracedTensor): weight with csrc's
+// (out_features, in_features) sizes, whatever its layout.
+FUSEDLAYERS_XLA_EXPORT int fusedlayers_xla_linear_gelu_check(
+    const fusedlayers::xla_binding::TracedTensor* x,
+    const fusedlayers::xla_binding::TracedTensor* weight,
+    const fusedlayers::xla_binding::TracedTensor* bias, const char* approximate, char* msg,
+    size_t msg_size) {
+  using namespace fusedlayers;
+  using namespace fusedlayers::xla_binding;
+  return check_for_trace([&] {
+    parse_gelu_approx("linear_gelu", approximate);
+    linear_gelu_forward_check({ref(x), ref(weight), WeightLayout::kOutIn, ref(bias)});
+  }, msg, msg_size);
+}

@@ -38,3 +38,11 @@ const auto kBackwardSig = [](auto b) {
 }  // namespace fusedlayers::xla_binding
 
 FUSEDLAYERS_XLA_OP(relu_scale);
+
+// The forward's argument checks for a trace (binding.h, TracedTensor).
+FUSEDLAYERS_XLA_EXPORT int fusedlayers_xla_relu_scale_check(
+    const fusedlayers::xla_binding::TracedTensor* x, float alpha, char* msg, size_t msg_size) {
+  using namespace fusedlayers;
+  using namespace fusedlayers::xla_binding;
+  return check_for_trace([&] { relu_scale_forward_check({ref(x), alpha}); }, msg, msg_size);
+}

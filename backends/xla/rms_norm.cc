@@ -49,3 +49,16 @@ const auto kBackwardSig = [](auto b) {
 }  // namespace fusedlayers::xla_binding
 
 FUSEDLAYERS_XLA_OP(rms_norm);
+
+// The forward's argument checks for a trace (binding.h, TracedTensor).
+FUSEDLAYERS_XLA_EXPORT int fusedlayers_xla_rms_norm_check(
+    const fusedlayers::xla_binding::TracedTensor* x,
+    const fusedlayers::xla_binding::TracedTensor* weight, const int64_t* normalized_shape,
+    int64_t normalized_ndim, float eps, bool zero_centered, char* msg, size_t msg_size) {
+  using namespace fusedlayers;
+  using namespace fusedlayers::xla_binding;
+  return check_for_trace([&] {
+    rms_norm_forward_check({ref(x), {normalized_shape, normalized_ndim}, ref(weight), eps,
+                            zero_centered});
+  }, msg, msg_size);
+}

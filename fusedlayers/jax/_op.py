@@ -3,11 +3,14 @@ when fusedlayers.jax is first imported (without it, importing still works and th
 raises fusedlayers.NotBuiltError), argument conversion and the custom calls.
 
 The ops are XLA custom calls (jax.ffi.ffi_call) under jax.custom_vjp, so jit, grad and vmap
-compose with them. A rule only csrc can check (shapes, parameter dtypes, eps) fails at run time
-with csrc's message, as XLA reports a custom call's error (jax.errors.JaxRuntimeError,
-INVALID_ARGUMENT); the dtypes csrc does not take are a TypeError here, before tracing.
+compose with them. Shapes, dtypes and attributes are static in JAX, so every argument error is
+raised while tracing, as jax.numpy's are: the dtypes csrc does not take here (TypeError), csrc's
+own rules (shapes, parameter dtypes, eps) by csrc itself, called through the library's
+trace-time check of the op (`check`: ValueError, or TypeError for a dtype, with csrc's
+message). Nothing wrong reaches XLA; the handlers keep csrc's checks as a backstop.
 """
 
+import ctypes
 import math
 
 import jax
@@ -53,6 +56,44 @@ def prepare(op: str, **tensors) -> list:
     return [t if t is None or v == every else
             jax.lax.pcast(t, tuple(sorted(every - v)), to="varying")
             for t, v in zip(out, varying)]
+
+
+class _TracedTensor(ctypes.Structure):
+    """backends/xla/binding.h's TracedTensor: a tensor's dtype and dims, without data."""
+    _fields_ = [("dtype", ctypes.c_int32), ("defined", ctypes.c_int32), ("ndim", ctypes.c_int64),
+                ("dims", ctypes.POINTER(ctypes.c_int64))]
+
+
+def _c_argument(value) -> list:
+    """A check's argument as ctypes values: a tensor (anything with shape and dtype, or None for
+    an absent one) as a TracedTensor pointer, a shape as its dims and their count, a bool, a
+    float32 (np.float32, as the handlers' float attributes), a str."""
+    if isinstance(value, (bool, np.bool_)):
+        return [ctypes.c_bool(bool(value))]
+    if isinstance(value, np.float32):
+        return [ctypes.c_float(value)]
+    if isinstance(value, str):
+        return [ctypes.c_char_p(value.encode())]
+    if isinstance(value, (tuple, list, np.ndarray)):
+        dims = (ctypes.c_int64 * max(len(value), 1))(*value)
+        return [dims, ctypes.c_int64(len(value))]
+    if value is None or hasattr(value, "dtype") and hasattr(value, "shape"):
+        shape = () if value is None else tuple(value.shape)
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        dtype = 0 if value is None else csrc_dtype(value.dtype)
+        return [ctypes.pointer(_TracedTensor(dtype, value is not None, len(shape), dims))]
+    raise TypeError(f"fusedlayers: no C form for a check argument of type {type(value).__name__}")
+
+
+def check(op: str, *arguments) -> None:
+    """csrc's argument checks of op for these static shapes, dtypes and attributes, through the
+    library's fusedlayers_xla_<op>_check (backends/xla/<op>.cc), in its argument order; raises
+    ValueError, or TypeError for a dtype, with csrc's message."""
+    c_arguments = [c for a in arguments for c in _c_argument(a)]
+    message = ctypes.create_string_buffer(1024)
+    kind = getattr(lib, f"fusedlayers_xla_{op}_check")(*c_arguments, message, len(message))
+    if kind:
+        raise (TypeError if kind == 2 else ValueError)(message.value.decode())
 
 
 def _varying(t) -> set:

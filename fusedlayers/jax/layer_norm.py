@@ -22,13 +22,14 @@ def layer_norm(x, normalized_shape: int | Sequence[int], weight=None, bias=None,
     arXiv:1607.06450), as torch.nn.functional.layer_norm. x: (..., *normalized_shape),
     float32/float64/float16/bfloat16; weight, bias: normalized_shape, x's dtype or float32 for
     half x. Statistics in float32 (float64 for float64); eps travels as a float32 attribute.
-    Raises TypeError for dtypes csrc does not take or non-int shapes; csrc's shape and dtype
-    rules fail when the call runs (jax.errors.JaxRuntimeError with csrc's message)."""
+    While tracing, raises TypeError for dtypes and non-int shapes, ValueError for shapes and
+    eps (csrc/layer_norm.h's rules and messages)."""
     shape = tuple(int(d) for d in _args.normalized_shape("fusedlayers.layer_norm",
                                                           normalized_shape))
     x, weight, bias = _op.prepare("layer_norm", x=x, weight=weight, bias=bias)
-    return _layer_norm(x, weight, bias, shape,
-                       _args.real("fusedlayers.layer_norm", "eps", eps), False)
+    eps = _args.real("fusedlayers.layer_norm", "eps", eps)
+    _op.check("layer_norm", x, weight, bias, shape, np.float32(eps), False)
+    return _layer_norm(x, weight, bias, shape, eps, False)
 
 
 def layer_norm_trailing(x, norm_ndims: int, gamma=None, beta=None, eps: float = 1e-5,
@@ -36,8 +37,9 @@ def layer_norm_trailing(x, norm_ndims: int, gamma=None, beta=None, eps: float = 
     """Normalizes the trailing norm_ndims dims; rms_scaling as Keras' LayerNormalization's."""
     x, gamma, beta = _op.prepare("layer_norm", x=x, weight=gamma, bias=beta)
     shape = tuple(x.shape[x.ndim - norm_ndims:])
-    return _layer_norm(x, gamma, beta, shape, _args.real("fusedlayers.layer_norm", "eps", eps),
-                       bool(rms_scaling))
+    eps = _args.real("fusedlayers.layer_norm", "eps", eps)
+    _op.check("layer_norm", x, gamma, beta, shape, np.float32(eps), bool(rms_scaling))
+    return _layer_norm(x, gamma, beta, shape, eps, bool(rms_scaling))
 
 
 def _param_dtype(x, weight, bias):

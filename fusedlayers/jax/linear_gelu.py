@@ -12,7 +12,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from .. import _args
 from ..bench.case import Case
 from . import _op
 
@@ -24,8 +23,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def linear_gelu(x, weight, bias=None, approximate: str = "none") -> jax.Array:
     """y = gelu(x @ weight^T + bias) (Hendrycks & Gimpel 2016, arXiv:1606.08415). x:
     (..., in_features); weight: (out_features, in_features); bias: (out_features,) or None; one
-    floating dtype. approximate: 'none' (erf) or 'tanh'. Returns (..., out_features). Raises
-    ValueError on shape/approximate mismatches and TypeError on dtypes."""
+    floating dtype. approximate: 'none' (erf) or 'tanh'. Returns (..., out_features). While
+    tracing, raises ValueError on shape/approximate mismatches and TypeError on dtypes
+    (csrc/linear_gelu.h's rules and messages)."""
     return _matmul_epilogue(x, weight, bias, approximate, True)
 
 
@@ -36,10 +36,13 @@ def dense_gelu(x, kernel, bias=None, approximate: str = "none") -> jax.Array:
 
 def _matmul_epilogue(x, w, bias, approximate, transpose):
     x, w, bias = _op.prepare("linear_gelu", x=x, weight=w, bias=bias)
-    in_features, out_features = _args.linear(
-        "fusedlayers.linear_gelu", x.shape, str(x.dtype), w.shape, str(w.dtype),
-        None if bias is None else bias.shape, None if bias is None else str(bias.dtype),
-        approximate, transpose)
+    if not isinstance(approximate, str):
+        raise TypeError(f"fusedlayers.linear_gelu: approximate must be 'none' or 'tanh', got "
+                        f"{type(approximate).__name__} {approximate!r}")
+    # csrc takes the weight's sizes as (out_features, in_features) whatever its layout
+    sizes = w.shape if transpose else w.shape[::-1]
+    _op.check("linear_gelu", x, jax.ShapeDtypeStruct(sizes, w.dtype), bias, approximate)
+    in_features, out_features = sizes[1], sizes[0]
     y = _linear_gelu(x.reshape(-1, in_features), w, bias, approximate, transpose)
     return y.reshape(*x.shape[:-1], out_features)
 
@@ -140,7 +143,7 @@ def bench_case(shape, dtype) -> Case:
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (m, k), dtype)
     w = jax.random.normal(keys[1], (n, k), dtype) / k ** 0.5
-    b = jax.random.normal(keys[2], (n,), dtype)
+    b = jax.random.normal(keys[2], (n,), dtype) / k ** 0.5  # pre-activations ~ N(0, 1)
     flops = 2 * m * n * k
     return Case(lambda x, w, b: linear_gelu(x, w, b),
                 lambda x, w, b: jax.nn.gelu(jax.numpy.matmul(x, w.T, precision=_HIGHEST) + b,

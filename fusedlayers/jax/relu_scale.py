@@ -19,9 +19,12 @@ def relu_scale(x, alpha: float) -> jax.Array:
     """y = max(x, 0) * alpha, element-wise, bit-identical to `jax.nn.relu(x) * alpha` computed
     in float32 (float64 for float64). x: any shape, float32/float64/float16/bfloat16. alpha
     travels as a float32 attribute. The gradient saves 1 bit per element (a packed mask), not x.
-    Raises TypeError for other dtypes or a non-real alpha."""
+    While tracing, raises TypeError for other dtypes or a non-real alpha, ValueError for a
+    non-finite one (csrc/relu_scale.h)."""
     (x,) = _op.prepare("relu_scale", x=x)
-    return _relu_scale(x, _args.real("fusedlayers.relu_scale", "alpha", alpha))
+    alpha = _args.real("fusedlayers.relu_scale", "alpha", alpha)
+    _op.check("relu_scale", x, np.float32(alpha))
+    return _relu_scale(x, alpha)
 
 
 def _forward(x, alpha: float, with_mask: bool):

@@ -28,6 +28,7 @@ def rms_norm(x, normalized_shape: int | Sequence[int], weight=None, eps: float |
     x, weight = _op.prepare("rms_norm", x=x, weight=weight)
     eps = float(jnp.finfo(x.dtype).eps) if eps is None else \
         _args.real("fusedlayers.rms_norm", "eps", eps)
+    _op.check("rms_norm", x, weight, shape, np.float32(eps), bool(zero_centered))
     return _rms_norm(x, weight, shape, eps, bool(zero_centered))
 
 
