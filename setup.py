@@ -15,10 +15,11 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-# Before TensorFlow loads (to build its library): its C++ start-up logs off, unless set.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(ROOT))
-from fusedlayers import __version__, _sources  # noqa: E402  (imports no framework)
+from fusedlayers import __version__, _sources, quiet_tensorflow_logs  # noqa: E402  (no framework)
+
+# Before TensorFlow loads (to build its library): its C++ start-up lines off, unless set.
+quiet_tensorflow_logs()
 
 try:
     import torch
@@ -111,7 +112,9 @@ setup(
     python_requires=">=3.10",
     extras_require={
         # The tests run the examples (distributed) and the bench's plots: they need theirs too.
-        "test": ["pytest", "numpy", "expecttest", *EXAMPLES_REQUIRE],
+        # ONNX export of fused models (onnxscript: torch's dynamo exporter; onnxruntime runs it).
+        "test": ["pytest", "numpy", "expecttest", "onnx", "onnxscript", "onnxruntime",
+                 *EXAMPLES_REQUIRE],
         "tensorflow": ["tensorflow-cpu==2.21.0"],
         "jax": ["jax"],
         "examples": EXAMPLES_REQUIRE,

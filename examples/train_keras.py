@@ -38,10 +38,12 @@ summation order (--json writes them for comparing).
 """
 
 import os
+import sys
 
-# Before TF loads: hide its C++ info and warning logs, unless the user set their level.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import sys  # noqa: E402
+import fusedlayers
+
+# Before TF loads (Keras imports it): its C++ start-up lines off, unless the user set their level.
+fusedlayers.quiet_tensorflow_logs()
 
 if "--distributed" in sys.argv and os.environ.get("KERAS_BACKEND") == "jax":
     # Before JAX starts: without GPUs, the CPU as two devices for DataParallel.
@@ -60,7 +62,6 @@ from keras import layers
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-import fusedlayers
 from fusedlayers.keras import FusedLinearGELU, FusedReLUScale, LayerNorm
 from loss_plot import save_loss_plot
 

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+import fusedlayers
+
 # TensorFlow's C++ start-up logs off in the test run, as in our own processes (unless set).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+fusedlayers.quiet_tensorflow_logs()
 # Two CPU devices for JAX's sharding tests: XLA reads this when JAX first starts its CPU client.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()

@@ -207,3 +207,45 @@ def test_broken_tensorflow_fails_the_test_session(tmp_path):
                             env=env, cwd=tests.parent, timeout=600)
     assert result.returncode != 0
     assert "tensorflow is installed but does not import" in result.stdout + result.stderr
+
+
+# absl's lines before its logging starts, as TensorFlow's import writes them on x86 CPUs with
+# oneDNN's ops on (TF_ENABLE_ONEDNN_OPTS=1 turns them on everywhere)
+TF_STARTUP = ("I0000", "absl::InitializeLog", "cpu_feature_guard")
+
+
+def _info_stderr(**env) -> str:
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-m", "fusedlayers", "info"], capture_output=True,
+                          text=True, env={**environ, "TF_ENABLE_ONEDNN_OPTS": "1", **env})
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_info_prints_no_tensorflow_startup_line():
+    pytest.importorskip("tensorflow")
+    stderr = _info_stderr()
+    assert not any(s in stderr for s in TF_STARTUP), stderr
+
+
+def test_a_users_own_tensorflow_log_level_is_kept():
+    """At TF_CPP_MIN_LOG_LEVEL=0 the lines show: the filter honours the user's level, and the
+    test above has lines to miss."""
+    pytest.importorskip("tensorflow")
+    stderr = _info_stderr(TF_CPP_MIN_LOG_LEVEL="0")
+    assert "I0000" in stderr and "oneDNN custom operations are on" in stderr, stderr
+
+
+def test_startup_lines_below_the_level_are_dropped_with_their_continuations():
+    from fusedlayers._tf_logs import below_level
+    text = ("WARNING: All log messages before absl::InitializeLog() is called are written to "
+            "STDERR\n"
+            "I0000 00:00:1795622387.244858    2799 cpu_feature_guard.cc:227] This TensorFlow...\n"
+            "To enable the following instructions: AVX2 AVX512F, in other operations...\n"
+            "E0000 00:00:1795622387.181913    2799 port.cc:153] a real error\n"
+            "a line of someone else's\n")
+    kept = below_level(text, 2)
+    assert kept == ("E0000 00:00:1795622387.181913    2799 port.cc:153] a real error\n"
+                    "a line of someone else's\n")
+    assert below_level(text, 0) == text
+    assert below_level("plain\n", 3) == "plain\n"

@@ -17,13 +17,10 @@ fused kernels: the decompositions live only in Inductor's table. Importing Induc
 so the table is filled when Inductor is first imported, not when fusedlayers is.
 """
 
-import importlib.abc
-import importlib.util
-import sys
-
 import torch
 
 from .. import ops
+from .._import_hook import after_import
 
 _TABLE_MODULE = "torch._inductor.decomposition"
 
@@ -45,32 +42,6 @@ def _register_in_inductor(module) -> None:
     module.fast_random_decomps.cache_clear()  # the table Inductor uses is a cached copy
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback once a module has been imported (a post-import hook)."""
-
-    def __init__(self, name, callback):
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            self.callback(module)
-
-        spec.loader.exec_module = exec_then_register
-        return spec
-
-
 def install() -> None:
     """Registers the decompositions with Inductor now, or when Inductor is imported."""
-    if _TABLE_MODULE in sys.modules:
-        _register_in_inductor(sys.modules[_TABLE_MODULE])
-    else:
-        sys.meta_path.insert(0, _AfterImport(_TABLE_MODULE, _register_in_inductor))
+    after_import(_TABLE_MODULE, _register_in_inductor)
