@@ -78,6 +78,24 @@ def test_parameter_gradient_inside_shard_map(rng):
         assert rel_err(np.asarray(got), np.asarray(want)) <= 1e-6
 
 
+@pytest.mark.parametrize("index", range(4), ids=["relu_scale", "layer_norm", "rms_norm",
+                                                 "linear_gelu"])
+def test_jax_export_round_trips_with_the_safety_checks_allowed(index, rng):
+    """jax.export refuses our custom calls by default; with export_safety_checks() the forward
+    and its gradient serialize, and the deserialized artifact gives the same results."""
+    _, fn, x = _ops(rng)[index]
+
+    def loss(x):
+        return jnp.sum(fn(x) ** 2)
+    both = jax.jit(lambda x: (fn(x), jax.grad(loss)(x)))
+    with pytest.raises(ValueError, match="custom calls"):
+        jax.export.export(both)(x)
+    exported = jax.export.export(both, disabled_checks=flj.export_safety_checks())(x)
+    back = jax.export.deserialize(exported.serialize())
+    for ours, direct in zip(back.call(x), both(x)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(direct))
+
+
 def test_vmap_over_parameters(rng):
     """A batch of weights (one per example) is not folded into the rows."""
     x = jnp.asarray(rng.normal((3, 5, 7)), jnp.float32)

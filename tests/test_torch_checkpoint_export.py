@@ -1,8 +1,9 @@
 """Fused torch models in the rest of the PyTorch toolbox: activation checkpointing
 (torch.utils.checkpoint) gives the gradients of the plain model; state_dicts and torch.save files
 round-trip between fused and unfused models; torch.export of a fused model keeps the fused ops
-and runs."""
+and runs; torch.onnx.export of it writes standard ONNX ops that onnxruntime runs."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -10,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedlayers.torch as flt
 from _helpers import assert_bitwise, rel_err
+from fusedlayers import ops
 
 
 class MLPBlock(nn.Module):
@@ -94,3 +96,24 @@ def test_torch_export_keeps_the_fused_ops_and_runs(train):
         assert op in graph, f"{op} not in the exported graph"
     x2 = torch.randn(2, 7, 37)
     assert_bitwise(program.module()(x2), model(x2))
+
+
+def test_onnx_export_of_a_fused_model_runs_in_onnxruntime():
+    """Every op of the table in one fused model (a new op joins this model, or the test fails),
+    exported with the dynamo exporter: no fusedlayers operator is left in the ONNX graph, and
+    onnxruntime gives eager's result."""
+    import onnxruntime
+
+    model = nn.Sequential(fused_stack(depth=2), flt.RMSNorm(37)).eval()
+    x = torch.randn(2, 7, 37)
+    graph = str(torch.export.export(model, (x,)).graph)
+    assert {op for op in ops.NAMES if f"fusedlayers.{op}." in graph} == set(ops.NAMES)
+    program = torch.onnx.export(model, (x,), dynamo=True)
+    assert {n.domain for n in program.model.graph} <= {"", "ai.onnx"}, \
+        sorted({(n.domain, n.op_type) for n in program.model.graph})
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString())
+    x2 = torch.randn(2, 7, 37)
+    (y,) = session.run(None, {session.get_inputs()[0].name: x2.numpy()})
+    with torch.no_grad():
+        expected = model(x2)
+    assert rel_err(torch.from_numpy(np.asarray(y)), expected) < 1e-5

@@ -4,5 +4,17 @@ of the table (fusedlayers.ops), whose `__all__` this package exports."""
 
 from .. import ops as _ops
 from ..errors import NotBuiltError
+from ._library import TARGETS as _TARGETS
 
-__all__ = ["NotBuiltError", *_ops.export(__name__, globals(), "jax")]
+
+def export_safety_checks() -> list:
+    """What `jax.export.export(fn, disabled_checks=...)` needs to serialize a function that calls
+    fusedlayers' ops: jax.export refuses custom calls without a compatibility guarantee, and
+    these allow ours by name (DisabledSafetyCheck.custom_call of each fusedlayers_* target).
+    Where the artifact is deserialized and run, import fusedlayers.jax first: it registers the
+    targets with XLA."""
+    import jax.export
+    return [jax.export.DisabledSafetyCheck.custom_call(f"fusedlayers_{t}") for t in _TARGETS]
+
+
+__all__ = ["NotBuiltError", "export_safety_checks", *_ops.export(__name__, globals(), "jax")]

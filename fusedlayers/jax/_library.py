@@ -21,6 +21,9 @@ from ..errors import NotBuiltError
 LIBRARY = Path(__file__).resolve().parent.parent / "_jax_ops.so"
 PASSES = ("forward", "backward")
 PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # symbol suffix -> XLA platform
+# The handlers' custom-call targets are fusedlayers_<target> (linear_gelu_gemm_*: CUDA builds).
+TARGETS = (*(f"{op}_{pass_}" for op in ops.NAMES for pass_ in PASSES),
+           *(f"linear_gelu_gemm_{pass_}" for pass_ in PASSES))
 
 
 def cuda_build(env=os.environ) -> tuple[bool, str]:
@@ -85,9 +88,7 @@ def load() -> ctypes.CDLL:
                             f"it with `{BUILD_COMMAND}`.") from e
     size.restype = ctypes.c_size_t
     size.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    targets = [f"{op}_{pass_}" for op in ops.NAMES for pass_ in PASSES]
-    targets += [f"linear_gelu_gemm_{pass_}" for pass_ in PASSES]  # CUDA builds only
-    for target in targets:
+    for target in TARGETS:
         for suffix, platform in PLATFORMS.items():
             symbol = f"fusedlayers_xla_{target}_{suffix}"
             if not hasattr(lib, symbol):  # CUDA handlers only in CUDA builds

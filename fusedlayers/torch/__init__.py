@@ -12,5 +12,6 @@ __all__ = ["FuseReport", "NotBuiltError", "fuse",
            *_ops.export(__name__, globals(), "torch")]
 
 if _op.LOAD_ERROR is None:
-    from . import inductor
+    from . import export, inductor
+    export.install()
     inductor.install()
