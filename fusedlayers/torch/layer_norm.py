@@ -189,7 +189,9 @@ def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = Fa
     if dtype in (torch.float16, torch.bfloat16):  # mixed precision's float32 parameters
         w32, b32 = (p.detach().float().requires_grad_() for p in (w, b))
         case.variants["fused-w32"] = (lambda: fused(w32, b32), [w32, b32])
-        case.variants["eager-w32"] = (lambda: reference(x, cols, w32, b32), [w32, b32])
+        # unfused, as mixed precision runs it: float32 math (autocast's policy), x's dtype out
+        case.variants["eager-w32"] = (lambda: reference(x.float(), cols, w32, b32).to(dtype),
+                                      [w32, b32])
     if peers and device.type == "cuda":
         try:
             from liger_kernel.ops.layer_norm import LigerLayerNormFunction

@@ -3,7 +3,6 @@ kernels, autograd, autocast), its fake kernels, the functional API and `RMSNorm`
 `torch.nn.RMSNorm`, the unfused reference and Inductor's lowering. The math: csrc/norm.h
 (NormMode::kRms)."""
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -181,9 +180,9 @@ def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = Fa
     if dtype in (torch.float16, torch.bfloat16):  # mixed precision's float32 parameters
         w32 = w.detach().float().requires_grad_()
         case.variants["fused-w32"] = (lambda: fused(w32), [w32])
-        # F.rms_norm takes mixed dtypes on its unfused path, and warns that it does
-        warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")
-        case.variants["eager-w32"] = (lambda: reference(x, cols, w32, 1e-6), [w32])
+        # unfused, as mixed precision runs it: float32 math, x's dtype out
+        case.variants["eager-w32"] = (lambda: reference(x.float(), cols, w32, 1e-6).to(dtype),
+                                      [w32])
     if peers and device.type == "cuda":
         try:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
