@@ -46,6 +46,7 @@ struct HalfPortable {
 
 #ifdef FUSEDLAYERS_F16C
 #define FUSEDLAYERS_TARGET_AVX512 __attribute__((target("avx512f")))
+#define FUSEDLAYERS_TARGET_AVX512_BW __attribute__((target("avx512f,avx512bw")))
 #define FUSEDLAYERS_TARGET_F16C __attribute__((target("avx,f16c")))
 constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
@@ -84,6 +85,7 @@ struct HalfF16c {
 };
 #else  // no x86 conversion instructions: every variant is the arithmetic one
 #define FUSEDLAYERS_TARGET_AVX512
+#define FUSEDLAYERS_TARGET_AVX512_BW
 #define FUSEDLAYERS_TARGET_F16C
 using HalfAvx512 = HalfPortable;
 using HalfF16c = HalfPortable;

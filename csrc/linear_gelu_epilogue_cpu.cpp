@@ -1,11 +1,12 @@
-// CPU bias + GELU epilogue: one pass over the rows, bfloat16 converting in registers, float16
-// rows staged in float (cpu::kStaged); dbias summed per fixed chunk of rows into the workspace,
-// then over chunks in chunk order (thread-count invariant).
+// CPU bias + GELU epilogue: one pass over the rows, float16 rows staged in float (cpu::kStaged);
+// dbias summed per fixed chunk of rows into the workspace, then over chunks in chunk order
+// (thread-count invariant). bfloat16 looks GELU up instead of computing it (BFloat16Tables).
 //
 // float rows use exp/erfc written here so that the loops vectorize (libm's are scalar calls):
 // exp by Cody-Waite reduction and a minimax polynomial (relative error ~1e-7), erfc as
 // e^{-z^2} times the fit of gelu.h (relative error ~3e-7 in float), so GELU keeps fp32 relative
 // accuracy also deep in its negative tail. double rows use libm.
+#include "cpu_vec.h"  // first: it includes the intrinsics before cpu_types.h
 #include "linear_gelu_epilogue.h"
 
 #include <algorithm>
@@ -192,6 +193,134 @@ FUSEDLAYERS_CPU_CLONES void add_bias_rounded(float* v, const float* bias, int64_
 // when the next loop over it reads it.
 int64_t block_rows(int64_t cols) { return std::max<int64_t>(1, 8192 / cols); }
 
+// bfloat16: GELU's input, the pre-activation rounded to bfloat16, takes one of 65536 values, so
+// y = gelu(pre) rounded to bfloat16 and gelu'(pre) in float are tables of every bfloat16 value,
+// filled once per form by the loops above (so a table entry has the bits those loops give that
+// element), and each element's result is one read of them: on a CPU whose GEMMs are fast
+// (AMX), computing GELU to float accuracy costs more than the GEMM's share of the layer, and a
+// read from a table that stays in L2 (128 KB, 256 KB) costs less than the polynomials.
+struct BFloat16Tables {
+  // y bits by pre bits, one entry of padding: a 32-bit gather reads two bytes past its own.
+  uint16_t y[65537] = {};
+  float grad[65536] = {};
+
+  explicit BFloat16Tables(GeluApprox approx) {
+#ifdef FUSEDLAYERS_F16C
+    // IEEE subnormals whatever the calling thread's mode (a library may have left MXCSR's FTZ
+    // and DAZ set in it): the tables are built once, for every thread's calls.
+    const unsigned mode = _mm_getcsr();
+    _mm_setcsr(mode & ~0x8040u);
+#endif
+    std::vector<cpu::BFloat16> u(65536), out(65536);
+    std::vector<float> uf(65536), ones(65536, 1.0f);
+    for (uint32_t i = 0; i < 65536; ++i) {
+      u[i].bits = static_cast<uint16_t>(i);
+      uf[i] = cpu::to_acc(u[i]);
+    }
+    linear_gelu_epilogue_rows(u.data(), static_cast<const float*>(nullptr), out.data(),
+                              out.data(), 1, 65536, approx);
+    for (uint32_t i = 0; i < 65536; ++i) y[i] = out[i].bits;
+    // gelu'(u) exactly: 1 * gelu'(u), rounded to float
+    gelu_grad_rows(uf.data(), ones.data(), grad, static_cast<float*>(nullptr), 1, 65536, approx);
+#ifdef FUSEDLAYERS_F16C
+    _mm_setcsr(mode);
+#endif
+  }
+
+  static const BFloat16Tables& of(GeluApprox approx) {
+    static const BFloat16Tables erf(GeluApprox::kNone), tanh(GeluApprox::kTanh);
+    return approx == GeluApprox::kTanh ? tanh : erf;
+  }
+};
+
+// out[j] = table[index[j]] for n entries: AVX-512 gathers 16 at a time, elsewhere one by one.
+template <typename V>
+void lookup_portable(const V* table, const uint16_t* index, V* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = table[index[j]];
+}
+#ifdef FUSEDLAYERS_F16C
+FUSEDLAYERS_TARGET_AVX512_BW void lookup_avx512(const uint16_t* table, const uint16_t* index,
+                                                uint16_t* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512i i = _mm512_maskz_cvtepu16_epi32(
+        0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index + j)));
+    // an entry and the next, of which the low half is kept
+    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), 0xffff, i, table, 2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                        _mm512_maskz_cvtepi32_epi16(0xffff, v));
+  }
+  lookup_portable(table, index + j, out + j, n - j);
+}
+FUSEDLAYERS_TARGET_AVX512_BW void lookup_avx512(const float* table, const uint16_t* index,
+                                                float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512i i = _mm512_maskz_cvtepu16_epi32(
+        0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index + j)));
+    _mm512_storeu_ps(out + j, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, i, table, 4));
+  }
+  lookup_portable(table, index + j, out + j, n - j);
+}
+#endif
+
+template <typename V>
+void lookup(const V* table, const uint16_t* index, V* out, int64_t n) {
+  using Fn = void (*)(const V*, const uint16_t*, V*, int64_t);
+#ifdef FUSEDLAYERS_F16C
+  static const Fn fn = cpu::pick_isa<Fn>(lookup_avx512, lookup_portable<V>, lookup_portable<V>);
+#else
+  static const Fn fn = lookup_portable<V>;
+#endif
+  fn(table, index, out, n);
+}
+
+// dst = h + bias rounded to bfloat16 (the unfused layer's linear output), for a block of rows.
+FUSEDLAYERS_CPU_CLONES void add_bias_bf16(const cpu::BFloat16* h, const float* bias,
+                                          cpu::BFloat16* dst, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      dst[r * cols + j] = cpu::from_acc<cpu::BFloat16>(cpu::to_acc(h[r * cols + j]) + bias[j]);
+}
+
+// The forward of a block of bfloat16 rows by the tables: pre = h + bias rounded (where there is a
+// bias; written where it is neither y's memory nor, without a bias, h itself), then y = its
+// entry. pre may alias h, and y may alias both.
+void gelu_rows_bf16(const cpu::BFloat16* h, const float* bias, cpu::BFloat16* pre,
+                    cpu::BFloat16* y, int64_t rows, int64_t cols, GeluApprox approx) {
+  const int64_t n = rows * cols;
+  const bool with_pre = pre != y && (bias || pre != h);
+  const cpu::BFloat16* u = h;  // the rounded pre-activation
+  if (bias || with_pre) {
+    cpu::BFloat16* dst = with_pre ? pre : y;
+    if (bias)
+      add_bias_bf16(h, bias, dst, rows, cols);
+    else
+      std::copy(h, h + n, dst);
+    u = dst;
+  }
+  static_assert(sizeof(cpu::BFloat16) == sizeof(uint16_t));
+  lookup(BFloat16Tables::of(approx).y, reinterpret_cast<const uint16_t*>(u),
+         reinterpret_cast<uint16_t*>(y), n);
+}
+
+// dpre = dy * gelu'(u) rounded to bfloat16, each row of it added to dbias in row order where
+// dbias is given (as gelu_grad_rows), gelu'(u) read from the table into g (n floats).
+FUSEDLAYERS_CPU_CLONES void scale_rows_bf16(const cpu::BFloat16* dy, const float* g,
+                                            cpu::BFloat16* dpre, float* dbias, int64_t rows,
+                                            int64_t cols) {
+  auto loop = [&](auto with_dbias) FUSEDLAYERS_LAMBDA_INLINE {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t k = r * cols + j;
+        const float d = round_to<cpu::BFloat16>(cpu::to_acc(dy[k]) * g[k]);
+        dpre[k] = cpu::from_acc<cpu::BFloat16>(d);
+        if constexpr (with_dbias) dbias[j] += d;
+      }
+  };
+  cpu::with_flags(loop, dbias != nullptr);
+}
+
 }  // namespace
 
 void linear_gelu_epilogue_forward_cpu(const void* h, const void* bias, void* pre, void* y, int64_t rows,
@@ -221,6 +350,8 @@ void linear_gelu_epilogue_forward_cpu(const void* h, const void* bias, void* pre
           if (pp != yp) cpu::store(v, pp + off, n * cols);  // else pre is y's memory
           linear_gelu_epilogue_rows(v, static_cast<const A*>(nullptr), v, v, n, cols, approx);
           cpu::store(v, yp + off, n * cols);
+        } else if constexpr (std::is_same_v<T, cpu::BFloat16>) {
+          gelu_rows_bf16(hp + off, b, pp + off, yp + off, n, cols, approx);
         } else {
           linear_gelu_epilogue_rows(hp + off, b, pp + off, yp + off, n, cols, approx);
         }
@@ -251,9 +382,13 @@ void linear_gelu_epilogue_backward_cpu(const void* dy, const void* pre, void* dp
     const T* dyp = static_cast<const T*>(dy);
     T* dpp = static_cast<T*>(dpre);
     const int64_t block = block_rows(cols);
+    constexpr bool kBFloat16 = std::is_same_v<T, cpu::BFloat16>;
+    const float* grad_table = kBFloat16 ? BFloat16Tables::of(approx).grad : nullptr;
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
       const int64_t stride = cpu::row_stride<A>(block * cols);
-      cpu::Row<A> buf(cpu::kStaged<T> ? static_cast<size_t>(2 * stride) : 0);
+      // float16: u and dy staged in float; bfloat16: gelu'(u) read from its table
+      cpu::Row<A> buf(cpu::kStaged<T> ? static_cast<size_t>(2 * stride)
+                                      : kBFloat16 ? static_cast<size_t>(stride) : 0);
       A* u = buf.data();
       A* d = u + stride;
       for (int64_t c = cbegin; c < cend; ++c) {
@@ -262,7 +397,10 @@ void linear_gelu_epilogue_backward_cpu(const void* dy, const void* pre, void* dp
         const int64_t rend = std::min(rows, (c + 1) * per_chunk);
         for (int64_t r = c * per_chunk; r < rend; r += block) {
           const int64_t n = std::min(block, rend - r), off = r * cols;
-          if constexpr (!cpu::kStaged<T>) {
+          if constexpr (kBFloat16) {
+            lookup(grad_table, reinterpret_cast<const uint16_t*>(up + off), u, n * cols);
+            scale_rows_bf16(dyp + off, u, dpp + off, pb, n, cols);
+          } else if constexpr (!cpu::kStaged<T>) {
             gelu_grad_rows(up + off, dyp + off, dpp + off, pb, n, cols, approx);
           } else {  // float16 rows staged in float
             cpu::load(up + off, u, n * cols);

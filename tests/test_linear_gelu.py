@@ -217,6 +217,37 @@ def test_float32_elementwise_accuracy(approximate):
     assert ((dx - grad).abs() <= 4e-6 * grad.abs().clamp_min(0.1))[v > -3].all()
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bfloat16_gelu_at_every_bfloat16_value(approximate):
+    """bfloat16 reads GELU and its gradient from tables of every bfloat16 value: each of the
+    65536 pre-activations (w = 1, so pre = x) gives the float32 op's result rounded to bfloat16
+    (NaNs: a NaN), forward and backward, and a bias first rounds x + b to bfloat16, as the
+    unfused Linear does. Subnormal x and dx are left out: a bfloat16 GEMM on AMX treats
+    subnormal inputs as zero (the framework's GEMM, before and after the epilogue)."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)[:, None].clone().requires_grad_()
+    dy = torch.randn(65536, 1).bfloat16()
+    y = fusedlayers.linear_gelu(x, torch.ones(1, 1, dtype=torch.bfloat16), None, approximate)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x32 = x.detach().float().requires_grad_()
+    y32 = fusedlayers.linear_gelu(x32, torch.ones(1, 1), None, approximate)
+    (dx32,) = torch.autograd.grad(y32, x32, dy.float())
+    tiny = torch.finfo(torch.float32).tiny
+    normal = (x.detach().float().abs() >= tiny) | (x.detach() == 0)
+    nan = y32.isnan()
+    assert torch.equal(y.isnan(), nan) and torch.equal(dx.isnan(), dx32.isnan())
+    assert_bitwise(y[~nan & normal], y32.bfloat16()[~nan & normal])
+    kept = ~dx32.isnan() & normal & ((dx32.abs() >= tiny) | (dx32 == 0))
+    assert_bitwise(dx[kept], dx32.bfloat16()[kept])
+    b = torch.randn(1).bfloat16()
+    yb = fusedlayers.linear_gelu(x.detach(), torch.ones(1, 1, dtype=torch.bfloat16), b,
+                                 approximate)
+    pre = (x.detach().float() + b.float()).bfloat16()
+    expected = fusedlayers.linear_gelu(pre.float(), torch.ones(1, 1), None, approximate)
+    kept = ~expected.isnan() & normal
+    assert_bitwise(yb[kept], expected.bfloat16()[kept])
+
+
 def test_one_dim_input():
     x = torch.randn(7, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 7, dtype=torch.float64)
