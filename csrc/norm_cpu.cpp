@@ -69,18 +69,43 @@ FUSEDLAYERS_INLINE void forward_rows_with(const ForwardArgs<T, A>& a, A* buf, in
   const A* b = a.b;
   for (int64_t r = begin; r < end; ++r) {
     const auto* v = Cols::row(a.x + r * cols, buf, cols);
-    // The mean as x[0] + mean(x - x[0]): the sum then rounds at the scale of the deviations,
-    // not of the mean (rows at 100 std: 1 ulp of the mean where a plain float sum was off ~2).
-    const A x0 = cpu::Scalar::load(v);
-    auto centred = [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
-      return decltype(io)::load(v + j) - x0;
-    };
-    const A mu =
-        a.mode == NormMode::kRms ? A(0) : x0 + Cols::template sum<A>(cols, centred) / A(cols);
-    const A var = Cols::template sum<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
-                    const auto dev = decltype(io)::load(v + j) - mu;
-                    return dev * dev;
-                  }) / A(cols);
+    // The moments of d = x - s, s the mean of the first (up to) kLanes values, in one pass:
+    // mean = s + mean(d), var = mean(d^2) - mean(d)^2. Sums of deviations round at their own
+    // scale, not the mean's (rows at 100 std: 1 ulp of the mean where a plain float sum was off
+    // ~2), and with s near the mean, mean(d)^2 is small beside var, so the subtraction cancels
+    // nothing; where it is not (the row's start unlike the rest), the same moments around that
+    // mean, a second pass over the row (in L1), correct both. One pass fewer than always taking
+    // the second: the forward is bound by memory, and each pass delays the next row's loads.
+    A s = A(0);
+    const int64_t head = std::min<int64_t>(cols, cpu::kLanes);
+    for (int64_t j = 0; j < head; ++j) s += cpu::Scalar::load(v + j);
+    s /= A(head);
+    A mu = A(0), var;
+    if (a.mode == NormMode::kRms) {
+      var = Cols::template sum<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+              const auto x = decltype(io)::load(v + j);
+              return x * x;
+            }) / A(cols);
+    } else {
+      const auto [sd, sd2] =
+          Cols::template sum2<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+            const auto d = decltype(io)::load(v + j) - s;
+            return std::make_pair(d, d * d);
+          });
+      const A md = sd / A(cols);
+      mu = s + md;
+      var = sd2 / A(cols) - md * md;
+      if (md * md > A(0.25) * var) {  // more than a bit of var would cancel
+        const auto [se, se2] =
+            Cols::template sum2<A>(cols, [&](auto io, int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+              const auto e = decltype(io)::load(v + j) - mu;
+              return std::make_pair(e, e * e);
+            });
+        const A me = se / A(cols);
+        mu += me;
+        var = se2 / A(cols) - me * me;
+      }
+    }
     const A rs = A(1) / cpu::sqrt_of(var + a.eps);
     const A shift = a.mode == NormMode::kLayer ? mu : A(0);
     T* yr = a.y + r * cols;

@@ -180,6 +180,25 @@ def test_mean_rstd(dtype, shape, normalized_shape):
     assert rel_err(rstd, (var64 + eps).rsqrt()) <= tol
 
 
+@pytest.mark.parametrize("head", ("offset", "sorted"))
+@pytest.mark.parametrize("cols", (33, 768, 4097))
+def test_mean_rstd_of_rows_whose_start_is_unlike_the_rest(head, cols):
+    """The CPU forward takes a row's moments around the mean of its first 32 values in one pass,
+    and a second pass where that shift is far from the mean (var would cancel): rows whose first
+    values are 50 std above the rest, and sorted rows, keep float32 accuracy."""
+    x = torch.randn(64, cols, dtype=torch.float64)
+    if head == "offset":
+        x[:, :32] += 50
+    else:
+        x = x.sort(dim=1).values
+    x = x.float()
+    _, mean, rstd = torch.ops.fusedlayers.layer_norm(x, [cols], None, None, 1e-5)
+    var64, mean64 = torch.var_mean(x.double(), dim=1, unbiased=False)
+    # the mean to float32's rounding at the scale of the row's values (what x - mean keeps)
+    assert ((mean - mean64).abs() / var64.sqrt()).max() <= 1e-6
+    assert rel_err(rstd, (var64 + 1e-5).rsqrt()) <= 1e-6
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
 def test_constant_rows(dtype):
     # Zero variance, with values whose sums are exact: mean == x, xhat == 0, so y == bias
@@ -378,9 +397,9 @@ def test_rms_scaling_offset_rows(offset, rows, cols, device):
 @pytest.mark.parametrize("offset", (10.0, 100.0))
 def test_layer_norm_offset_rows_forward(offset, rows, cols, device):
     """Rows 10 and 100 std from zero (std 1, mean within 0.5 of `offset`): the output within 1.25x
-    torch's own float32 error, where both are mostly the rounding of the mean. The mean is
-    x[0] + mean(x - x[0]); a plain float sum rounds at the scale of the mean (1.8-2.0x torch's
-    error at 768 and 4096 cols, 100 std)."""
+    torch's own float32 error, where both are mostly the rounding of the mean. The moments are
+    those of x - s, s a mean of the row's start (CPU) or x[0] (CUDA); a plain float sum rounds at
+    the scale of the mean (1.8-2.0x torch's error at 768 and 4096 cols, 100 std)."""
     z = torch.randn(rows, cols, dtype=torch.float64)
     z = (z - z.mean(1, keepdim=True)) / z.std(1, correction=0, keepdim=True)
     x = (z + offset + torch.rand(rows, 1, dtype=torch.float64) - 0.5).float().to(device)
