@@ -1,67 +1,19 @@
-// CUDA bias + GELU epilogue (math: linear_gelu_epilogue.h). Phi(u) comes from e^{-u^2/2} times the scaled
-// erfc fit of gelu.h (relative error ~2e-7 in both tails), so the erf gradient's Phi
-// and pdf share one exponential; the tanh form is written as a sigmoid, 1 / (1 + e^{-2z}), to
-// avoid cancellation. The pass must run at memory speed, which leaves ~35 FP32 instructions per
-// bf16 element on an H100: the reciprocals and exponentials are the MUFU approximations (__expf:
-// 2 + 1.2 |x| ulp, ~3e-6 relative at the tail's |x| ~ 40, against the test's 2e-5).
+// CUDA bias + GELU epilogue (math: linear_gelu_epilogue.h; GELU itself: cuda_gelu.cuh).
 #include <algorithm>
 
 #include "linear_gelu_epilogue.h"
 #include "cuda_common.cuh"
+#include "cuda_gelu.cuh"
 
 namespace fusedlayers {
 namespace {
 
 using cuda::from_acc;
+using cuda::gelu;
+using cuda::gelu_grad;
 using cuda::to_acc;
 using A = float;
 constexpr int kThreads = 256;
-
-constexpr float kSqrt2OverPi = gelu::kSqrt2OverPi;
-constexpr float kInvSqrt2Pi = gelu::kInvSqrt2Pi;
-constexpr float kCoeff = gelu::kCubic;
-
-// erfc(z) e^{z^2} at z = |u| / sqrt 2: t G(t), the fit of gelu.h. Horner, not Estrin: with many
-// warps per SM the pass is throughput-bound, not latency-bound.
-__device__ __forceinline__ A erfcx_of_abs(A u) {
-  using namespace gelu;
-  const A t = __fdividef(A(1), fmaf(fabsf(u), kHalfInvSqrt2, A(1)));
-  A g = fmaf(kErfcx8, t, kErfcx7);
-  g = fmaf(g, t, kErfcx6);
-  g = fmaf(g, t, kErfcx5);
-  g = fmaf(g, t, kErfcx4);
-  g = fmaf(g, t, kErfcx3);
-  g = fmaf(g, t, kErfcx2);
-  g = fmaf(g, t, kErfcx1);
-  g = fmaf(g, t, kErfcx0);
-  return t * g;
-}
-
-// Phi(u), given e = exp(-u^2 / 2): the upper tail P(N(0,1) > |u|) = erfcx * e / 2, no
-// cancellation in either tail.
-__device__ __forceinline__ A normal_cdf(A u, A e) {
-  const A q = A(0.5) * erfcx_of_abs(u) * e;
-  return u > A(0) ? A(1) - q : q;
-}
-
-// sigmoid(2z) = 1 / (1 + e^{-2z}), z = sqrt(2/pi) (u + 0.044715 u^3); 0 once e^{-2z} overflows.
-__device__ __forceinline__ A tanh_cdf(A u) {
-  const A z = kSqrt2OverPi * fmaf(kCoeff * u, u * u, u);
-  return __fdividef(A(1), A(1) + __expf(A(-2) * z));
-}
-
-__device__ __forceinline__ A gelu(A u, bool tanh_form) {
-  return u * (tanh_form ? tanh_cdf(u) : normal_cdf(u, __expf(A(-0.5) * u * u)));
-}
-
-__device__ __forceinline__ A gelu_grad(A u, bool tanh_form) {
-  if (tanh_form) {
-    const A s = tanh_cdf(u);
-    return s + A(2) * u * s * (A(1) - s) * kSqrt2OverPi * (A(1) + A(3) * kCoeff * u * u);
-  }
-  const A e = __expf(A(-0.5) * u * u);
-  return normal_cdf(u, e) + u * kInvSqrt2Pi * e;
-}
 
 // Vectors of N never straddle rows (cols % N == 0), so a vector's bias is contiguous too.
 // pre == nullptr: h is already the pre-activation (no bias) and is not written again. One vector

@@ -1,5 +1,6 @@
-"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm and RMSNorm for PyTorch, TensorFlow and
-JAX, forward and backward, from one set of C++ kernels (csrc/).
+"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm, RMSNorm and the gated activations
+(SwiGLU, GeGLU) for PyTorch, TensorFlow and JAX, forward and backward, from one set of C++
+kernels (csrc/).
 
 The functions here pick the framework from the type of their first argument, so the same call
 works on any supported tensor. Importing fusedlayers imports no framework: the backend of a
@@ -22,7 +23,7 @@ OPS = ops.NAMES
 __all__ = [*OPS, "NotBuiltError", "loaded", "quiet_tensorflow_logs"]
 
 
-def _backend(x, op: str, **others):
+def _backend(x, op: str, x_name: str = "x", **others):
     """The framework backend (fusedlayers.torch, fusedlayers.tensorflow or fusedlayers.jax) for
     x. Raises TypeError for other types of x, and when one of `others` (the op's other tensors,
     None where absent) is a tensor of another framework: a torch op takes torch tensors only;
@@ -42,15 +43,15 @@ def _backend(x, op: str, **others):
             if t is None:
                 continue
             if module == "torch" and not isinstance(t, types):
-                raise TypeError(f"fusedlayers.{op}: x is a torch.Tensor, so {arg} must be one "
+                raise TypeError(f"fusedlayers.{op}: {x_name} is a torch.Tensor, so {arg} must be one "
                                 f"too, got {_type_name(t)}")
             other = next((n for n, ts in frameworks.items() if n != name and ts
                           and isinstance(t, ts)), None)
             if other is not None:
-                raise TypeError(f"fusedlayers.{op}: x is {name}, so {arg} must not be "
+                raise TypeError(f"fusedlayers.{op}: {x_name} is {name}, so {arg} must not be "
                                 f"{other}")
         return importlib.import_module(f"fusedlayers.{module}")
-    raise TypeError(f"fusedlayers.{op}: x must be a torch.Tensor, tf.Tensor, tf.Variable or "
+    raise TypeError(f"fusedlayers.{op}: {x_name} must be a torch.Tensor, tf.Tensor, tf.Variable or "
                     f"jax.Array, got {_type_name(x)}")
 
 
@@ -100,3 +101,15 @@ def rms_norm(x, normalized_shape: int | Sequence[int], weight=None, eps: float |
     fusedlayers.torch.rms_norm for shapes, dtypes and errors."""
     backend = _backend(x, "rms_norm", weight=weight)
     return backend.rms_norm(x, normalized_shape, weight, eps, zero_centered)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, gate and up of one shape and dtype. See fusedlayers.torch.swiglu for
+    shapes, dtypes and errors."""
+    return _backend(gate, "swiglu", "gate", up=up).swiglu(gate, up)
+
+
+def geglu(gate, up, approximate: str = "none"):
+    """gelu(gate) * up, approximate 'none' (erf) or 'tanh'. See fusedlayers.torch.geglu for
+    shapes, dtypes and errors."""
+    return _backend(gate, "geglu", "gate", up=up).geglu(gate, up, approximate)

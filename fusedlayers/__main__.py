@@ -107,7 +107,7 @@ def bench(argv: list[str]) -> int:
         "config), unfused vs fusedlayers.torch.fuse, instead of single ops; with --framework "
         "jax, of a BERT-base-shaped Keras encoder on Keras' JAX backend, unfused vs "
         "fusedlayers.keras.fuse (bert-base only)")
-    model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2"))
+    model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2", "llama"))
     model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
     model.add_argument("--batch", help="comma-separated batch sizes (default: a host-bound and "
                                        "a GPU-bound one on CUDA, 8 on the CPU)")

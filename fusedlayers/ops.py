@@ -40,12 +40,17 @@ _NORM_SHAPES = {"cuda": ((32768, 768), (32768, 1024), (32768, 2048), (32768, 409
                          (8192, 8192), (8192, 12288)),
                 "cpu": ((4096, 768), (1024, 4097))}
 
+_GATED_SHAPES = {"cuda": ((8192, 5632), (8192, 14336)), "cpu": ((2048, 2816),)}
+
 OPS = (
     Op("relu_scale", "GB/s", {"cuda": ((32768, 4096),), "cpu": ((2048, 2048),)}),
     Op("linear_gelu", "TFLOP/s",
        {"cuda": ((4096, 1024, 4096), (8192, 4096, 16384)), "cpu": ((2048, 512, 2048),)}),
     Op("layer_norm", "GB/s", _NORM_SHAPES),
     Op("rms_norm", "GB/s", _NORM_SHAPES),
+    # (tokens, ffn): Llama-1B and -8B MLPs at 8192 tokens
+    Op("swiglu", "GB/s", _GATED_SHAPES),
+    Op("geglu", "GB/s", _GATED_SHAPES),
 )
 NAMES = tuple(op.name for op in OPS)
 

@@ -55,8 +55,8 @@ def np64(t) -> np.ndarray:
     if isinstance(t, torch.Tensor):
         return t.detach().double().cpu().numpy()
     if hasattr(t, "numpy"):
-        import tensorflow as tf
-        return np.asarray(tf.cast(t, tf.float64).numpy())  # a 0-d tensor gives a NumPy scalar
+        # Widened by NumPy (ml_dtypes for bfloat16), not tf.cast: TF's threads flush subnormals
+        return np.asarray(t.numpy()).astype(np.float64)
     return np.asarray(t, dtype=np.float64)
 
 
@@ -90,7 +90,7 @@ def leaf_shape(shape, layout):
         return shape
     if layout == "transposed":
         return (*shape[:-2], shape[-1], shape[-2])
-    if layout == "sliced":  # every other column: last-dim stride 2
+    if layout in ("sliced", "half"):  # every other column; the first half of each row
         return (*shape[:-1], 2 * shape[-1])
     if layout == "expanded":  # every row the same storage: leading strides 0
         return (*(1 for _ in shape[:-1]), shape[-1])
@@ -105,6 +105,8 @@ def as_layout(leaf: torch.Tensor, shape, layout) -> torch.Tensor:
         v = leaf.transpose(-1, -2)
     elif layout == "sliced":
         v = leaf[..., ::2]
+    elif layout == "half":  # rows twice as far apart as they are long: a chunk(2, -1) half
+        v = leaf[..., :shape[-1]]
     elif layout == "expanded":
         v = leaf.expand(*shape)
     else:

@@ -27,9 +27,18 @@ class Sample:
     params_f32: bool = False  # parameters in float32 under half x (else in x's dtype)
     layout: str = "contiguous"  # x's layout in the torch tests (_helpers.as_layout)
     cuda_only: bool = False   # a size that exercises a CUDA path and is slow on the CPU
+    # The op's inputs (not parameters): in the dtype under test, split by rows in the sharded
+    # tests; the first takes the layout and names y's dtype.
+    input_names: tuple = ("x",)
+
+    def first(self) -> str:
+        return self.input_names[0]
+
+    def inputs(self) -> tuple:
+        return self.input_names
 
     def numel(self) -> int:
-        return math.prod(self.shapes["x"])
+        return math.prod(self.shapes[self.first()])
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,8 @@ class OpInfo:
     # (kwargs, x's dtype) -> the kwargs that give the float64 reference the same math (a
     # default that depends on the dtype, as rms_norm's eps=None, made explicit)
     reference_kwargs: Callable = lambda kw, dtype: kw
+    # sample -> the leading dims of its inputs that are rows (split across devices in JAX)
+    rows: Callable = lambda s: min(len(s.shapes[s.first()]), 1)
 
 
 # ---------------------------------------------------------------- relu_scale
@@ -129,6 +140,7 @@ def _linear_gelu_scales(t, dy, kw):
 LINEAR_GELU = OpInfo(
     "linear_gelu", _linear_gelu_samples(), _linear_gelu_draw, reference.linear_gelu,
     bitwise_parity=False, grad_scales=_linear_gelu_scales,
+    rows=lambda s: len(s.shapes["x"]) - 1,
     # On the CPU the GEMM's output is rounded to x's dtype before the bias is added (the
     # framework's GEMM, then csrc's bias+GELU): where the bias cancels it, that is an ulp of
     # more than y, and dx, through GELU's slope at that pre-activation (kept in x's dtype for
@@ -202,6 +214,10 @@ def _norm_draw(rng, s):
     return out
 
 
+def _norm_rows(s):
+    return len(s.shapes["x"]) - len(s.kwargs["normalized_shape"])
+
+
 def _trailing(t, ns):
     return tuple(range(t.dim() - len(ns), t.dim())), tuple(range(t.dim() - len(ns)))
 
@@ -234,7 +250,7 @@ LAYER_NORM = OpInfo(
                    ("bias", {"weight": False, "bias": True}),
                    ("none", {"weight": False, "bias": False})],
                   {"eps": _f32(1e-5)}, lambda ns: {"weight": ns, "bias": ns}),
-    _norm_draw, reference.layer_norm, grad_scales=_layer_norm_scales,
+    _norm_draw, reference.layer_norm, grad_scales=_layer_norm_scales, rows=_norm_rows,
     errors=(
         ErrorInput("trailing", {"x": ((3, 7), "float32")}, {"normalized_shape": 8}, False,
                    r"layer_norm: the last 1 dimension\(s\) of (input|x) must equal "
@@ -285,7 +301,7 @@ RMS_NORM = OpInfo(
                                  ("zero-centered-f32", {"eps": _f32(1e-5),
                                                         "zero_centered": True}, 1),
                                  ("eps-none", {"eps": None, "zero_centered": False}, 0)]),
-    _norm_draw, reference.rms_norm, grad_scales=_rms_norm_scales,
+    _norm_draw, reference.rms_norm, grad_scales=_rms_norm_scales, rows=_norm_rows,
     reference_kwargs=lambda kw, dtype: {**kw, "eps": torch.finfo(dtype).eps
                                         if kw["eps"] is None else kw["eps"]},
     errors=(
@@ -310,4 +326,73 @@ RMS_NORM = OpInfo(
                    r"got (int32|Int)"),
     ))
 
-OP_DB = (RELU_SCALE, LINEAR_GELU, LAYER_NORM, RMS_NORM)
+
+# ---------------------------------------------------------------- swiglu and geglu
+
+def _gated_samples(kwargs_list):
+    out = []
+    for kw in kwargs_list:
+        tag = "".join(f"-{v}" for v in kw.values())
+        for s in ((0,), (), (1,), (7,), (33, 1000), (2, 3, 4097), (0, 5), (5, 3, 8)):
+            out.append(Sample(f"{list(s)}{tag}", {"gate": s, "up": s}, kw,
+                              input_names=("gate", "up")))
+        out += [Sample(f"[33, 1000]-{lay}{tag}", {"gate": (33, 1000), "up": (33, 1000)}, kw,
+                       layout=lay, input_names=("gate", "up"))
+                for lay in ("transposed", "sliced", "expanded", "half")]
+        # the CUDA paths: 16-byte vectors, flat and by rows (a chunk(2, -1) half), and one by one
+        out += [Sample(f"[{r}, {c}]-{lay}{tag}", {"gate": (r, c), "up": (r, c)}, kw, layout=lay,
+                       cuda_only=True, input_names=("gate", "up"))
+                for r, c, lay in ((257, 5632, "contiguous"), (257, 4096, "half"),
+                                  (1031, 1001, "contiguous"))]
+    return tuple(out)
+
+
+def _gated_draw(rng, s):
+    """gate over the activation's whole shape (its tails and its dip near -1.3), up around 0."""
+    return {"gate": rng.normal(s.shapes["gate"], scale=3.0), "up": rng.normal(s.shapes["up"])}
+
+
+def _gated_errors(op, kwargs):
+    return (
+        ErrorInput("shape", {"gate": ((3, 7), "float32"), "up": ((3, 8), "float32")}, kwargs,
+                   False, rf"fusedlayers\.{op}: up must have gate's shape \[3, 7\], got \[3, 8\]"),
+        ErrorInput("up-dtype", {"gate": ((3, 7), "float32"), "up": ((3, 7), "float64")}, kwargs,
+                   True, rf"fusedlayers\.{op}: up must have gate's dtype float32, got float64"),
+        ErrorInput("int-gate", {"gate": ((3, 7), "int32"), "up": ((3, 7), "int32")}, kwargs, True,
+                   rf"fusedlayers\.{op}: gate must be float32, float64, float16 or bfloat16, "
+                   r"got (int32|Int)"),
+    )
+
+
+def _gated_scales(t, dy, kw):
+    """Each result judged against the size of the terms the unfused layer sums: act(g) up,
+    |dy| act(g), and |dy| |up| times those of act'(g) (SiLU: s + g s (1 - s); GELU: 1 + erf,
+    or 1 + tanh, and g times the pdf, or the tanh form's (1 - tanh^2) dz). act' crosses zero
+    (GELU's near g = -0.75), and GELU's 1 + erf and 1 + tanh cancel in its negative tail, so
+    the float64 reference itself is only that accurate there."""
+    g, u, d = t["gate"], t["up"].abs(), dy.abs()
+    if "approximate" not in kw:
+        s = torch.sigmoid(g)
+        terms = s + (g * s * (1 - s)).abs()
+    elif kw["approximate"] == "tanh":
+        terms = 1 + g.abs() * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * g ** 2)
+    else:
+        terms = 1 + g.abs() * torch.exp(-g * g / 2) / math.sqrt(2 * math.pi)
+    return {"y": g.abs() * u, "dgate": d * u * terms, "dup": d * g.abs()}
+
+
+_GATED_ROWS = lambda s: min(len(s.shapes["gate"]), max(len(s.shapes["gate"]) - 1, 1))  # noqa: E731
+
+SWIGLU = OpInfo("swiglu", _gated_samples([{}]), _gated_draw, reference.swiglu,
+                errors=_gated_errors("swiglu", {}), rows=_GATED_ROWS, grad_scales=_gated_scales)
+
+GEGLU = OpInfo(
+    "geglu", _gated_samples([{"approximate": "none"}, {"approximate": "tanh"}]), _gated_draw,
+    reference.geglu, rows=_GATED_ROWS, grad_scales=_gated_scales,
+    errors=_gated_errors("geglu", {"approximate": "tanh"}) + tuple(
+        ErrorInput(f"approximate-{a}", {"gate": ((3, 7), "float32"), "up": ((3, 7), "float32")},
+                   {"approximate": a}, False,
+                   rf"geglu: approximate must be 'none' or 'tanh', got '{a}'")
+        for a in ("erf", "TANH", "")))
+
+OP_DB = (RELU_SCALE, LINEAR_GELU, LAYER_NORM, RMS_NORM, SWIGLU, GEGLU)

@@ -172,8 +172,9 @@ def test_cli_writes_json_and_starts_quietly(tmp_path):
         "eager", "eager-tanh", "tf-eager"} and r["speedups"] for r in fused)
 
 
-def test_model_bench_tiny_bert_on_cpu():
-    rows = model_bench.run("bert-base", "cpu", batches=(2,), precisions=("fp32", "bf16"),
+@pytest.mark.parametrize("name", ("bert-base", "llama"))
+def test_model_bench_tiny_on_cpu(name):
+    rows = model_bench.run(name, "cpu", batches=(2,), precisions=("fp32", "bf16"),
                            modes=("eager",), rounds=2, steps=1, warmup=1, tiny=True,
                            log=lambda line: None)
     assert [(r.precision, r.batch, r.mode) for r in rows] == [("fp32", 2, "eager"),

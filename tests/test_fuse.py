@@ -1,5 +1,5 @@
-"""fusedlayers.torch.fuse on real model code (Hugging Face BERT, ViT, GPT-2, Llama and Gemma
-from small configs, torchvision-style nn.Sequential, timm's Mlp where timm imports): what it
+"""fusedlayers.torch.fuse on real model code (Hugging Face BERT, ViT, GPT-2, and the decoders
+Llama, Mistral, Qwen2, Phi-3 and Gemma, from small configs, torchvision-style nn.Sequential, timm's Mlp where timm imports): what it
 swaps, that it shares the Parameters, that outputs and gradients are unchanged in eval() and
 train(), what it leaves and why, and that the fused models trace under torch.compile without
 graph breaks."""
@@ -12,13 +12,18 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from fusedlayers.torch import (FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, LayerNorm,
-                               RMSNorm, fuse)
+from fusedlayers.torch import (FusedConv1DGELU, FusedLinearGELU, FusedReLUScale, GeGLUMLP,
+                               LayerNorm, RMSNorm, SwiGLUMLP, fuse)
+from fusedlayers.torch.gated_mlp import GatedMLP
 from _helpers import rel_err
 
 transformers.logging.set_verbosity_error()
 
 SEQ, BATCH, VOCAB = 12, 3, 128
+# Llama-style decoders: (config class, model class)
+DECODERS = {name: (getattr(transformers, f"{cls}Config"), getattr(transformers, f"{cls}Model"))
+            for name, cls in (("llama", "Llama"), ("gemma", "Gemma"), ("mistral", "Mistral"),
+                              ("qwen2", "Qwen2"), ("phi3", "Phi3"))}
 
 
 def hf_model(name: str, dtype=torch.float32) -> tuple[nn.Module, dict]:
@@ -38,11 +43,12 @@ def hf_model(name: str, dtype=torch.float32) -> tuple[nn.Module, dict]:
             vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=96,
             bos_token_id=0, eos_token_id=0))
         inputs = {"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ))}
-    elif name in ("llama", "gemma"):
-        config = (transformers.LlamaConfig if name == "llama" else transformers.GemmaConfig)(
-            vocab_size=VOCAB, max_position_embeddings=64, num_key_value_heads=2, head_dim=16,
-            **common)
-        model = (transformers.LlamaModel if name == "llama" else transformers.GemmaModel)(config)
+    elif name in DECODERS:
+        config_cls, model_cls = DECODERS[name]
+        config = config_cls(vocab_size=VOCAB, max_position_embeddings=64, num_key_value_heads=2,
+                            pad_token_id=0,
+                            head_dim=16, **common)
+        model = model_cls(config)
         with torch.no_grad():  # gains away from their init (1, or 0 for Gemma's 1 + weight)
             for m in model.modules():
                 if type(m).__name__.endswith("RMSNorm"):
@@ -54,15 +60,23 @@ def hf_model(name: str, dtype=torch.float32) -> tuple[nn.Module, dict]:
 
 
 # What fuse() must find in each model: (LayerNorms, RMSNorms, Linear+GELU pairs, fused class,
-# GELU form).
+# GELU form, gated MLPs, their class).
 EXPECTED = {
-    "bert": (5, 0, 2, FusedLinearGELU, "none"),  # embeddings + 2 per layer; dense + GELU
-    "vit": (5, 0, 2, FusedLinearGELU, "none"),  # 2 per layer + final; mlp.fc1 + activation_fn
-    "gpt2": (5, 0, 2, FusedConv1DGELU, "tanh"),  # 2 per layer + ln_f; c_fc (Conv1D) + gelu_new
-    "llama": (0, 5, 0, None, None),  # LlamaRMSNorm: 2 per layer + final; SwiGLU: no GELU
-    # GemmaRMSNorm (1 + weight, zero-centred); gate_proj feeds only gelu_pytorch_tanh
-    "gemma": (0, 5, 2, FusedLinearGELU, "tanh"),
+    "bert": (5, 0, 2, FusedLinearGELU, "none", 0, None),  # 2 per layer + embeddings; dense + GELU
+    "vit": (5, 0, 2, FusedLinearGELU, "none", 0, None),  # 2 per layer + final; fc1 + activation
+    "gpt2": (5, 0, 2, FusedConv1DGELU, "tanh", 0, None),  # 2 per layer + ln_f; c_fc + gelu_new
+    "llama": (0, 5, 0, None, None, 2, SwiGLUMLP),  # RMSNorm: 2 per layer + final; SwiGLU MLPs
+    "mistral": (0, 5, 0, None, None, 2, SwiGLUMLP),
+    "qwen2": (0, 5, 0, None, None, 2, SwiGLUMLP),
+    "phi3": (0, 5, 0, None, None, 2, SwiGLUMLP),  # one gate_up_proj, chunk(2, -1)
+    # GemmaRMSNorm (1 + weight, zero-centred); gelu_pytorch_tanh MLPs: GeGLU
+    "gemma": (0, 5, 0, None, None, 2, GeGLUMLP),
 }
+
+
+def swapped_count(name: str) -> int:
+    n_ln, n_rms, n_pairs, _, _, n_mlp, _ = EXPECTED[name]
+    return n_ln + n_rms + n_pairs + n_mlp
 
 
 def output_and_grads(model, inputs, seed):
@@ -87,7 +101,7 @@ def test_hf_model_fused_in_place_same_outputs_and_grads(name, train, seed):
 
     assert fuse(model) is model
     assert torch.equal(torch.get_rng_state(), rng_before), "fuse() moved the random stream"
-    n_ln, n_rms, n_pairs, fused_cls, form = EXPECTED[name]
+    n_ln, n_rms, n_pairs, fused_cls, form, n_mlp, mlp_cls = EXPECTED[name]
     modules = list(model.modules())
     assert sum(isinstance(m, LayerNorm) for m in modules) == n_ln
     assert not any(isinstance(m, nn.LayerNorm) for m in modules)
@@ -98,12 +112,18 @@ def test_hf_model_fused_in_place_same_outputs_and_grads(name, train, seed):
     pairs = [m for m in modules if isinstance(m, (FusedLinearGELU, FusedConv1DGELU))]
     assert len(pairs) == n_pairs and all(type(m) is fused_cls and m.approximate == form
                                          for m in pairs)
+    mlps = [m for m in modules if isinstance(m, GatedMLP)]
+    assert len(mlps) == n_mlp and all(type(m) is mlp_cls for m in mlps)
+    assert not n_mlp or not any(type(m).__name__.endswith("MLP") and not isinstance(m, GatedMLP)
+                                for m in modules)
+    if name == "gemma":
+        assert all(m.approximate == "tanh" for m in mlps)
     assert all(m.training == train for m in modules)
     # The same Parameter objects under the same names: optimizer state and ties stay valid.
     assert [(n, id(p)) for n, p in model.named_parameters()] == params_before
     assert {k: v.shape for k, v in model.state_dict().items()} == state_before
     report = model.fusedlayers_report
-    assert len(report.swapped) == n_ln + n_rms + n_pairs and report.left == []
+    assert len(report.swapped) == swapped_count(name) and report.left == []
 
     out, grads = output_and_grads(model, inputs, seed)
     out_ref, grads_ref = output_and_grads(original, inputs, seed)
@@ -125,7 +145,7 @@ def test_hf_model_bf16(name):
     model, inputs = hf_model(name, torch.bfloat16)
     original = copy.deepcopy(model).eval()
     fuse(model.eval())
-    assert len(model.fusedlayers_report.swapped) == sum(EXPECTED[name][:3])
+    assert len(model.fusedlayers_report.swapped) == swapped_count(name)
     with torch.no_grad():
         out, ref = model(**inputs).last_hidden_state, original(**inputs).last_hidden_state
     assert out.dtype == torch.bfloat16

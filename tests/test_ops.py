@@ -53,7 +53,8 @@ def cases(dtypes, devices=("cpu",), contiguous_only=False, small=False, nonempty
 
 def draw(op, s, rng):
     """float64 values for the sample's arguments, x as the storage of its layout's view."""
-    shapes = {**s.shapes, "x": leaf_shape(s.shapes["x"], s.layout)}
+    x = s.first()
+    shapes = {**s.shapes, x: leaf_shape(s.shapes[x], s.layout)}
     values = op.draw(rng, dataclasses.replace(s, shapes=shapes))
     return {n: None if v is None else np.asarray(v, np.float64) for n, v in values.items()}
 
@@ -62,7 +63,8 @@ def rounded(values, s, dtype):
     """The values as torch CPU tensors in the dtypes under test (parameters float32 if the sample
     says so): the inputs every framework and the float64 reference see."""
     pdt = torch.float32 if s.params_f32 else DTYPES[dtype]
-    return {n: None if v is None else torch.from_numpy(v).to(DTYPES[dtype] if n == "x" else pdt)
+    return {n: None if v is None else torch.from_numpy(v).to(
+        DTYPES[dtype] if n in s.inputs() else pdt)
             for n, v in values.items()}
 
 
@@ -72,7 +74,8 @@ def run_torch(fn, s, leaves, dy, device="cpu", dtype=None, kwargs=None):
     first."""
     t = {n: None if v is None else v.detach().to(device, dtype).requires_grad_()
          for n, v in leaves.items()}
-    args = {**t, "x": as_layout(t["x"], s.shapes["x"], s.layout)}
+    x = s.first()
+    args = {**t, x: as_layout(t[x], s.shapes[x], s.layout)}
     with warnings.catch_warnings():  # F.rms_norm warns that mixed dtypes take its slow path
         warnings.simplefilter("ignore", UserWarning)
         y = fn(**args, **(s.kwargs if kwargs is None else kwargs))
@@ -84,12 +87,13 @@ def run_torch(fn, s, leaves, dy, device="cpu", dtype=None, kwargs=None):
 def reference64(op, s, leaves, rng):
     """The float64 reference's results on the rounded inputs, the grad_out drawn for it (in x's
     dtype) and the magnitudes that judge its cancelling gradients."""
-    kwargs = op.reference_kwargs(s.kwargs, leaves["x"].dtype)
+    x = s.first()
+    kwargs = op.reference_kwargs(s.kwargs, leaves[x].dtype)
     t64 = {n: None if v is None else v.double() for n, v in leaves.items()}
-    t64["x"] = as_layout(t64["x"], s.shapes["x"], s.layout)
+    t64[x] = as_layout(t64[x], s.shapes[x], s.layout)
     with torch.no_grad():
         dy = torch.from_numpy(np.asarray(rng.normal(op.reference(**t64, **kwargs).shape)))
-    dy = dy.to(leaves["x"].dtype)
+    dy = dy.to(leaves[x].dtype)
     ref = run_torch(op.reference, s, leaves, dy.double(), dtype=torch.float64, kwargs=kwargs)
     return ref, dy, op.grad_scales(t64, dy.double(), kwargs)
 
@@ -102,7 +106,7 @@ def baseline(op, s, leaves, dy, device="cpu"):
     except RuntimeError as e:
         if "expected scalar type" not in str(e) or not s.params_f32:
             raise
-        x_dtype = leaves["x"].dtype
+        x_dtype = leaves[s.first()].dtype
         return run_torch(op.reference, s, {n: None if v is None else v.to(x_dtype)
                                            for n, v in leaves.items()}, dy, device)
 
@@ -113,7 +117,7 @@ def check(op, s, dtype, leaves, ours, ref, base, scales, rng, what):
     assert set(ours) == set(ref), (what, sorted(ours), sorted(ref))
     for name, want in ref.items():
         got = ours[name]
-        expected = leaves["x" if name in ("y", "dx") else name[1:]].dtype
+        expected = leaves[s.first() if name == "y" else name[1:]].dtype
         assert got.dtype == expected, (what, name, got.dtype, expected)
         got = got.cpu()
         assert tuple(got.shape) == tuple(want.shape), (what, name, got.shape, want.shape)
@@ -146,7 +150,8 @@ def test_gradcheck(op, s, dtype, device, rng):
 
     def fn(*ts):
         args = {**leaves, **dict(zip(names, ts))}
-        args["x"] = as_layout(args["x"], s.shapes["x"], s.layout)
+        x = s.first()
+        args[x] = as_layout(args[x], s.shapes[x], s.layout)
         return getattr(fl, op.name)(**args, **s.kwargs)
 
     assert torch.autograd.gradcheck(fn, [leaves[n].requires_grad_() for n in names])
@@ -193,8 +198,8 @@ class _InnerOps(TorchDispatchMode):
 def test_opcheck(op, s, dtype, device, rng):
     leaves = rounded(draw(op, s, rng), s, dtype)
     with torch.no_grad():
-        x = as_layout(leaves["x"], s.shapes["x"], s.layout)
-        dy = torch.randn(getattr(fl, op.name)(**{**leaves, "x": x}, **s.kwargs).shape)
+        x = as_layout(leaves[s.first()], s.shapes[s.first()], s.layout)
+        dy = torch.randn(getattr(fl, op.name)(**{**leaves, s.first(): x}, **s.kwargs).shape)
     calls = {}
     with _PublicOps(calls), _InnerOps(calls):
         run_torch(getattr(fl, op.name), s, leaves, dy, device)
@@ -255,7 +260,7 @@ def check_parity(op, s, dtype, rng, framework: str, run_other):
         pytest.skip("the frameworks' own GEMMs differ beyond float32 rounding in other dtypes")
     leaves = rounded(draw(op, s, rng), s, dtype)
     dy = torch.from_numpy(np.asarray(rng.normal(
-        getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves["x"].dtype)
+        getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves[s.first()].dtype)
     a = run_torch(getattr(fl, op.name), s, leaves, dy)
     b = run_other(leaves, dy)
     assert set(a) == set(b)
@@ -267,7 +272,7 @@ def check_parity(op, s, dtype, rng, framework: str, run_other):
             assert not diff.any(), (f"{op.name} {s.id} {name}: torch and {framework} differ at "
                                     f"{int(diff.sum())} of {x.size} elements ({rng})")
         else:  # GEMM rounding grows ~sqrt(in_features)
-            k = s.shapes["x"][-1] if s.shapes["x"] else 1
+            k = s.shapes[s.first()][-1] if s.shapes[s.first()] else 1
             tol = 1e-6 * max(1.0, np.sqrt(k / 64))
             err = rel_err(x, y, op.grad_scales(
                 {n: None if v is None else v.double() for n, v in leaves.items()},
@@ -357,18 +362,16 @@ def test_jax(op, s, dtype, device, rng, jax):
 
 
 def _sharded_samples():
-    """Each op's samples with rows (nonempty, contiguous), their first dim doubled so that it
-    splits over two devices."""
+    """Each op's samples with rows (nonempty, contiguous), the first dim of its inputs (x; gate
+    and up) doubled so that it splits over two devices."""
     out = []
     for op in OP_DB:
         for s in op.samples:
-            x = s.shapes["x"]
-            rows = len(x) - len(s.kwargs.get("normalized_shape", ())) if op.name.endswith(
-                "norm") else len(x) - 1 if op.name == "linear_gelu" else min(len(x), 1)
+            rows = op.rows(s)
             if s.layout != "contiguous" or s.cuda_only or rows < 1 or s.numel() == 0:
                 continue
             s2 = dataclasses.replace(s, id=f"{s.id}-rows-split", shapes={
-                **s.shapes, "x": (2 * x[0], *x[1:])})
+                **s.shapes, **{n: (2 * s.shapes[n][0], *s.shapes[n][1:]) for n in s.inputs()}})
             out.append(pytest.param(op, s2, rows, id=f"{op.name}-{s2.id}"))
     return out
 
@@ -398,7 +401,8 @@ def test_jax_sharded_rows(op, s, rows, rng, jax):
 
     split, whole = NamedSharding(mesh, P("rows")), NamedSharding(mesh, P())
     args = [_jax_array(jax, dy)] + [_jax_array(jax, leaves[n]) for n in present]
-    placed = [jax.device_put(a, split if i < 2 else whole) for i, a in enumerate(args)]
+    split_args = [True] + [n in s.inputs() for n in present]  # dy, then the arguments
+    placed = [jax.device_put(a, split if sp else whole) for sp, a in zip(split_args, args)]
     fn = jax.jit(forward_and_grads)
     with jax.default_device(cpus[0]):
         y, grads = fn(*args)
@@ -406,14 +410,14 @@ def test_jax_sharded_rows(op, s, rows, rng, jax):
     hlo = fn.lower(*placed).compile().as_text()
     got = {"y": ys, **{f"d{n}": g for n, g in zip(present, grads_s)}}
     want = {"y": y, **{f"d{n}": g for n, g in zip(present, grads)}}
-    for name in ("y", "dx") if op.bitwise_parity else ():  # linear_gelu's dots are XLA's
+    for name in ("y", *(f"d{n}" for n in s.inputs())) if op.bitwise_parity else ():
         assert np.asarray(got[name]).tobytes() == np.asarray(want[name]).tobytes(), (
             f"{name} differs when x's rows are split ({rng})")
     for name in got:
         err = rel_err(torch.from_numpy(np.asarray(got[name], np.float64)),
                       torch.from_numpy(np.asarray(want[name], np.float64)), scales.get(name))
         assert err <= 1e-6, f"{name}: {err:.2e} ({rng})"
-    per_row = int(np.prod(s.shapes["x"][rows:]))
+    per_row = int(np.prod(s.shapes[s.first()][rows:]))
     if op.name == "relu_scale" and per_row % 32:
         return  # the mask's words would straddle the devices: x is gathered, as documented
     assert "all-gather" not in hlo, f"x was gathered:\n{hlo[:4000]}"

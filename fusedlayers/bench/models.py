@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-MODELS = ("bert-base", "vit-base", "gpt2")
-# (host-bound, GPU-bound) batch on an H100, and on the CPU (tiny configs).
-DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64)}
+MODELS = ("bert-base", "vit-base", "gpt2", "llama")
+# (host-bound, GPU-bound) batch on an H100, and on the CPU (tiny configs); llama: 4 x 2048 tokens.
+DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64), "llama": (4,)}
 CPU_BATCHES = (8,)
 SEQ = 512
 
@@ -78,6 +78,18 @@ def build(name: str, tiny: bool, seed: int = 0):
 
         def inputs(batch, device, dtype):
             return {"input_ids": torch.randint(0, vocab, (batch, seq), device=device)}
+    elif name == "llama":
+        # A ~1.1B Llama (d 2048, 16 layers, GQA 32/8 heads, ffn 5632, vocab 32000), 2048 tokens
+        llama = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=5632, vocab_size=32000,
+                     max_position_embeddings=2048)
+        if tiny:
+            llama.update(small, num_key_value_heads=2, vocab_size=1000)
+        model = transformers.LlamaModel(transformers.LlamaConfig(**llama))
+        vocab, llama_seq = model.config.vocab_size, 32 if tiny else 2048
+
+        def inputs(batch, device, dtype):
+            return {"input_ids": torch.randint(0, vocab, (batch, llama_seq), device=device)}
     elif name == "vit-base":
         vit_small = dict(small, image_size=32, patch_size=4) if tiny else {}
         model = transformers.ViTModel(transformers.ViTConfig(**vit_small),

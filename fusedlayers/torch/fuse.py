@@ -227,7 +227,8 @@ def _verified(module: nn.Module, candidates, certain: bool, path: str, report: F
             report.left.append((path, _describe(module), "on the meta device, a look-alike "
                                                          "cannot be verified without running it"))
             return None
-        x = _probe((_PROBE_ROWS, *fused.normalized_shape), like)
+        shape = getattr(fused, "probe_shape", None) or (_PROBE_ROWS, *fused.normalized_shape)
+        x = _probe(shape, like)
         try:
             ok, err = _matches(fused(x), module(x))
         except Exception as e:  # a dtype or device the fused op does not support
