@@ -1,5 +1,5 @@
-"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm, RMSNorm and the gated activations
-(SwiGLU, GeGLU) for PyTorch, TensorFlow and JAX, forward and backward, from one set of C++
+"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm, RMSNorm, the gated activations
+(SwiGLU, GeGLU) and rotary embeddings (RoPE) for PyTorch, TensorFlow and JAX, forward and backward, from one set of C++
 kernels (csrc/).
 
 The functions here pick the framework from the type of their first argument, so the same call
@@ -113,3 +113,11 @@ def geglu(gate, up, approximate: str = "none"):
     """gelu(gate) * up, approximate 'none' (erf) or 'tanh'. See fusedlayers.torch.geglu for
     shapes, dtypes and errors."""
     return _backend(gate, "geglu", "gate", up=up).geglu(gate, up, approximate)
+
+
+def rope(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
+    """(q_embed, k_embed): rotary position embedding with Hugging Face's apply_rotary_pos_emb
+    signature (plus GPT-J's interleaved pairs). See fusedlayers.torch.rope for shapes, dtypes and
+    errors."""
+    backend = _backend(q, "rope", "q", k=k, cos=cos, sin=sin)
+    return backend.rope(q, k, cos, sin, unsqueeze_dim, interleaved)

@@ -51,6 +51,9 @@ OPS = (
     # (tokens, ffn): Llama-1B and -8B MLPs at 8192 tokens
     Op("swiglu", "GB/s", _GATED_SHAPES),
     Op("geglu", "GB/s", _GATED_SHAPES),
+    # (batch, seq, heads, kv_heads, head_dim): Llama-1B and -8B attention, 4 x 2048 tokens
+    Op("rope", "GB/s", {"cuda": ((4, 2048, 32, 8, 64), (4, 2048, 32, 8, 128)),
+                        "cpu": ((2, 512, 32, 8, 64),)}),
 )
 NAMES = tuple(op.name for op in OPS)
 

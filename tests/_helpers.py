@@ -92,6 +92,8 @@ def leaf_shape(shape, layout):
         return (*shape[:-2], shape[-1], shape[-2])
     if layout in ("sliced", "half"):  # every other column; the first half of each row
         return (*shape[:-1], 2 * shape[-1])
+    if layout == "heads-seq":  # (b, h, s, d) as Llama's transposed view of (b, s, h, d)
+        return (shape[0], shape[2], shape[1], *shape[3:])
     if layout == "expanded":  # every row the same storage: leading strides 0
         return (*(1 for _ in shape[:-1]), shape[-1])
     raise ValueError(layout)
@@ -105,6 +107,8 @@ def as_layout(leaf: torch.Tensor, shape, layout) -> torch.Tensor:
         v = leaf.transpose(-1, -2)
     elif layout == "sliced":
         v = leaf[..., ::2]
+    elif layout == "heads-seq":
+        v = leaf.transpose(1, 2)
     elif layout == "half":  # rows twice as far apart as they are long: a chunk(2, -1) half
         v = leaf[..., :shape[-1]]
     elif layout == "expanded":

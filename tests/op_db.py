@@ -30,6 +30,7 @@ class Sample:
     # The op's inputs (not parameters): in the dtype under test, split by rows in the sharded
     # tests; the first takes the layout and names y's dtype.
     input_names: tuple = ("x",)
+    nondiff: tuple = ()  # arguments the op does not differentiate (rope's cos and sin)
 
     def first(self) -> str:
         return self.input_names[0]
@@ -395,4 +396,110 @@ GEGLU = OpInfo(
                    rf"geglu: approximate must be 'none' or 'tanh', got '{a}'")
         for a in ("erf", "TANH", "")))
 
-OP_DB = (RELU_SCALE, LINEAR_GELU, LAYER_NORM, RMS_NORM, SWIGLU, GEGLU)
+
+# ---------------------------------------------------------------- rope
+
+def _rope_samples():
+    out = []
+    # (batch, q heads, k heads, seq, head_dim, rotary_dim, cos batch)
+    geometries = [(1, 1, 1, 1, 2, 2, 1), (2, 4, 2, 7, 16, 16, 2), (3, 3, 1, 5, 8, 8, 1),
+                  (2, 2, 2, 3, 12, 8, 2), (1, 5, 5, 9, 6, 4, 1), (2, 4, 1, 0, 8, 8, 2),
+                  (0, 2, 2, 3, 8, 8, 1)]
+    for b, hq, hk, sq, d, r, bc in geometries:
+        for unsq in (1, 2):
+            for inter in (False, True):
+                def shape(h, b=b, sq=sq, d=d, unsq=unsq):
+                    return (b, h, sq, d) if unsq == 1 else (b, sq, h, d)
+                out.append(Sample(
+                    f"b{b}-h{hq}/{hk}-s{sq}-d{d}-r{r}-cos{bc}-u{unsq}{'-inter' if inter else ''}",
+                    {"q": shape(hq), "k": shape(hk), "cos": (bc, sq, r), "sin": (bc, sq, r)},
+                    {"unsqueeze_dim": unsq, "interleaved": inter},
+                    input_names=("q", "k", "cos", "sin"), nondiff=("cos", "sin")))
+    # q and k as Llama makes them: transposed views of (batch, seq, heads, head_dim)
+    out.append(Sample("b2-h4/2-s5-d8-transposed", {"q": (2, 4, 5, 8), "k": (2, 2, 5, 8),
+                                                   "cos": (2, 5, 8), "sin": (2, 5, 8)},
+                      {"unsqueeze_dim": 1, "interleaved": False}, layout="heads-seq",
+                      input_names=("q", "k", "cos", "sin"), nondiff=("cos", "sin")))
+    # the CUDA kernel's 16-byte vectors (head_dim 64, 128) and partial rotary
+    out += [Sample(f"b2-h8/2-s33-d{d}-r{r}-cuda", {"q": (2, 8, 33, d), "k": (2, 2, 33, d),
+                                                  "cos": (1, 33, r), "sin": (1, 33, r)},
+                   {"unsqueeze_dim": 1, "interleaved": inter}, cuda_only=True,
+                   input_names=("q", "k", "cos", "sin"), nondiff=("cos", "sin"))
+            for d, r, inter in ((64, 64, False), (128, 128, True), (128, 64, False))]
+    return tuple(out)
+
+
+def _rope_draw(rng, s):
+    """q and k around 0; cos and sin of real angles (any angle: the math does not assume it)."""
+    angles = rng.uniform(-10, 10, s.shapes["cos"])
+    return {"q": rng.normal(s.shapes["q"]), "k": rng.normal(s.shapes["k"]),
+            "cos": np.cos(angles), "sin": np.sin(angles)}
+
+
+def _rope_partner(t, interleaved):
+    """t's values at each element's partner in the rotation (rope.h)."""
+    if interleaved:
+        return t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return torch.roll(t, t.shape[-1] // 2, -1)
+
+
+def _rope_scales(t, dy, kw):
+    """Each result sums |x| |cos| and |x at the partner| |sin| (the backward: |dy| and the sine
+    at the partner): bounded by |x| |cos| + |x'| (|sin| + |sin'|), ' the partner's."""
+    inter = kw["interleaved"]
+    c = t["cos"].abs().unsqueeze(kw["unsqueeze_dim"])
+    s = t["sin"].abs().unsqueeze(kw["unsqueeze_dim"])
+    r = c.shape[-1]
+    s2 = s + _rope_partner(s, inter)
+    out = {}
+    for key, v in (("y0", t["q"]), ("y1", t["k"]), ("dq", dy[0]), ("dk", dy[1])):
+        a = v.abs()
+        rot = a[..., :r] * c + _rope_partner(a[..., :r], inter) * s2
+        out[key] = torch.cat((rot, a[..., r:]), -1)
+    return out
+
+
+_ROPE_ERROR_ARGS = {"q": ((2, 4, 5, 8), "float32"), "k": ((2, 2, 5, 8), "float32"),
+                    "cos": ((2, 5, 8), "float32"), "sin": ((2, 5, 8), "float32")}
+
+
+def _rope_error(id_, changes, kwargs, type_error, match):
+    return ErrorInput(id_, {**_ROPE_ERROR_ARGS, **changes}, kwargs, type_error,
+                      r"fusedlayers\.rope: " + match)
+
+
+ROPE = OpInfo(
+    "rope", _rope_samples(), _rope_draw, reference.rope, grad_scales=_rope_scales,
+    rows=lambda s: s.kwargs["unsqueeze_dim"],
+    errors=(
+        _rope_error("k-heads-dim", {"k": ((2, 2, 5, 6), "float32")}, {}, False,
+                    r"k must match q's batch, seq and head_dim \(2, 5, 8\), got shape "
+                    r"\[2, 2, 5, 6\]"),
+        _rope_error("q-3d", {"q": ((2, 5, 8), "float32")}, {}, False,
+                    r"q must be 4-D, got shape \[2, 5, 8\]"),
+        _rope_error("cos-seq", {"cos": ((2, 4, 8), "float32"), "sin": ((2, 4, 8), "float32")},
+                    {}, False, r"cos must have shape \(batch or 1, seq, rotary_dim\) = "
+                               r"\(2 or 1, 5, rotary_dim\), got \[2, 4, 8\]"),
+        _rope_error("sin-shape", {"sin": ((2, 5, 6), "float32")}, {}, False,
+                    r"sin must have cos's shape \[2, 5, 8\], got \[2, 5, 6\]"),
+        _rope_error("rotary-odd", {"cos": ((2, 5, 7), "float32"), "sin": ((2, 5, 7), "float32")},
+                    {}, False, r"rotary_dim \(cos.shape\[-1\]\) must be even, positive and "
+                               r"at most head_dim 8, got 7"),
+        _rope_error("rotary-wide", {"cos": ((2, 5, 10), "float32"),
+                                    "sin": ((2, 5, 10), "float32")}, {}, False,
+                    r"rotary_dim \(cos.shape\[-1\]\) must be even, positive and at most "
+                    r"head_dim 8, got 10"),
+        _rope_error("unsqueeze-3", {}, {"unsqueeze_dim": 3}, False,
+                    r"unsqueeze_dim must be 1 \(q, k as \(batch, heads, seq, head_dim\)\) or 2"),
+        _rope_error("k-dtype", {"k": ((2, 2, 5, 8), "float64")}, {}, True,
+                    r"k must have q's dtype float32, got float64"),
+        _rope_error("cos-dtype", {"q": ((2, 4, 5, 8), "bfloat16"), "k": ((2, 2, 5, 8), "bfloat16"),
+                                  "cos": ((2, 5, 8), "float64"), "sin": ((2, 5, 8), "float64")},
+                    {}, True, r"cos must be float32 or q's dtype bfloat16, got float64"),
+        _rope_error("sin-dtype", {"sin": ((2, 5, 8), "float64")}, {}, True,
+                    r"sin must have cos's dtype float32, got float64"),
+        _rope_error("int-q", {"q": ((2, 4, 5, 8), "int32")}, {}, True,
+                    r"q must be float32, float64, float16 or bfloat16, got (int32|Int)"),
+    ))
+
+OP_DB = (RELU_SCALE, LINEAR_GELU, LAYER_NORM, RMS_NORM, SWIGLU, GEGLU, ROPE)

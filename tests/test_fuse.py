@@ -60,23 +60,23 @@ def hf_model(name: str, dtype=torch.float32) -> tuple[nn.Module, dict]:
 
 
 # What fuse() must find in each model: (LayerNorms, RMSNorms, Linear+GELU pairs, fused class,
-# GELU form, gated MLPs, their class).
+# GELU form, gated MLPs, their class, attention modules whose RoPE is fused).
 EXPECTED = {
-    "bert": (5, 0, 2, FusedLinearGELU, "none", 0, None),  # 2 per layer + embeddings; dense + GELU
-    "vit": (5, 0, 2, FusedLinearGELU, "none", 0, None),  # 2 per layer + final; fc1 + activation
-    "gpt2": (5, 0, 2, FusedConv1DGELU, "tanh", 0, None),  # 2 per layer + ln_f; c_fc + gelu_new
-    "llama": (0, 5, 0, None, None, 2, SwiGLUMLP),  # RMSNorm: 2 per layer + final; SwiGLU MLPs
-    "mistral": (0, 5, 0, None, None, 2, SwiGLUMLP),
-    "qwen2": (0, 5, 0, None, None, 2, SwiGLUMLP),
-    "phi3": (0, 5, 0, None, None, 2, SwiGLUMLP),  # one gate_up_proj, chunk(2, -1)
+    "bert": (5, 0, 2, FusedLinearGELU, "none", 0, None, 0),  # 2 per layer + embeddings
+    "vit": (5, 0, 2, FusedLinearGELU, "none", 0, None, 0),  # 2 per layer + final; fc1 + GELU
+    "gpt2": (5, 0, 2, FusedConv1DGELU, "tanh", 0, None, 0),  # 2 per layer + ln_f; c_fc + gelu_new
+    "llama": (0, 5, 0, None, None, 2, SwiGLUMLP, 2),  # RMSNorm: 2 per layer + final; SwiGLU MLPs
+    "mistral": (0, 5, 0, None, None, 2, SwiGLUMLP, 2),
+    "qwen2": (0, 5, 0, None, None, 2, SwiGLUMLP, 2),
+    "phi3": (0, 5, 0, None, None, 2, SwiGLUMLP, 2),  # one gate_up_proj, chunk(2, -1)
     # GemmaRMSNorm (1 + weight, zero-centred); gelu_pytorch_tanh MLPs: GeGLU
-    "gemma": (0, 5, 0, None, None, 2, GeGLUMLP),
+    "gemma": (0, 5, 0, None, None, 2, GeGLUMLP, 2),
 }
 
 
 def swapped_count(name: str) -> int:
-    n_ln, n_rms, n_pairs, _, _, n_mlp, _ = EXPECTED[name]
-    return n_ln + n_rms + n_pairs + n_mlp
+    n_ln, n_rms, n_pairs, _, _, n_mlp, _, n_rope = EXPECTED[name]
+    return n_ln + n_rms + n_pairs + n_mlp + n_rope
 
 
 def output_and_grads(model, inputs, seed):
@@ -101,7 +101,7 @@ def test_hf_model_fused_in_place_same_outputs_and_grads(name, train, seed):
 
     assert fuse(model) is model
     assert torch.equal(torch.get_rng_state(), rng_before), "fuse() moved the random stream"
-    n_ln, n_rms, n_pairs, fused_cls, form, n_mlp, mlp_cls = EXPECTED[name]
+    n_ln, n_rms, n_pairs, fused_cls, form, n_mlp, mlp_cls, n_rope = EXPECTED[name]
     modules = list(model.modules())
     assert sum(isinstance(m, LayerNorm) for m in modules) == n_ln
     assert not any(isinstance(m, nn.LayerNorm) for m in modules)
@@ -118,6 +118,10 @@ def test_hf_model_fused_in_place_same_outputs_and_grads(name, train, seed):
                                 for m in modules)
     if name == "gemma":
         assert all(m.approximate == "tanh" for m in mlps)
+    # RoPE: per attention instance, the class and the modeling module untouched
+    roped = [m for m in modules if "forward" in m.__dict__]
+    assert len(roped) == n_rope and all(type(m).__name__.endswith("Attention") for m in roped)
+    assert all("forward" not in m.__dict__ for m in original.modules())
     assert all(m.training == train for m in modules)
     # The same Parameter objects under the same names: optimizer state and ties stay valid.
     assert [(n, id(p)) for n, p in model.named_parameters()] == params_before

@@ -51,6 +51,21 @@ def cases(dtypes, devices=("cpu",), contiguous_only=False, small=False, nonempty
     return out
 
 
+def outputs(y) -> dict:
+    """An op's results by name: "y", or "y0", "y1", ... for an op with several (rope)."""
+    return {f"y{i}": o for i, o in enumerate(y)} if isinstance(y, (tuple, list)) else {"y": y}
+
+
+def grad_outputs(rng, y, dtype):
+    """A random gradient for each of y's results (one tensor, or a tuple), in `dtype`."""
+    draw1 = lambda o: torch.from_numpy(np.asarray(rng.normal(tuple(o.shape)))).to(dtype)  # noqa: E731
+    return tuple(map(draw1, y)) if isinstance(y, (tuple, list)) else draw1(y)
+
+
+def _map(fn, dy):
+    return tuple(map(fn, dy)) if isinstance(dy, tuple) else fn(dy)
+
+
 def draw(op, s, rng):
     """float64 values for the sample's arguments, x as the storage of its layout's view."""
     x = s.first()
@@ -72,16 +87,20 @@ def run_torch(fn, s, leaves, dy, device="cpu", dtype=None, kwargs=None):
     """fn(**arguments, **kwargs (default: s.kwargs)) on the sample's view of x, and its gradients
     wrt the present tensors for grad_out dy: {"y": y, "d<arg>": ...}. dtype: convert the leaves
     first."""
-    t = {n: None if v is None else v.detach().to(device, dtype).requires_grad_()
+    t = {n: None if v is None else v.detach().to(device, dtype).requires_grad_(n not in s.nondiff)
          for n, v in leaves.items()}
     x = s.first()
     args = {**t, x: as_layout(t[x], s.shapes[x], s.layout)}
     with warnings.catch_warnings():  # F.rms_norm warns that mixed dtypes take its slow path
         warnings.simplefilter("ignore", UserWarning)
         y = fn(**args, **(s.kwargs if kwargs is None else kwargs))
-        present = [n for n, v in args.items() if v is not None]
-        gs = torch.autograd.grad(y, [args[n] for n in present], dy.to(device, y.dtype))
-    return {"y": y.detach(), **{f"d{n}": g for n, g in zip(present, gs)}}
+        present = [n for n, v in args.items() if v is not None and n not in s.nondiff]
+        ys = y if isinstance(y, tuple) else (y,)
+        dys = dy if isinstance(dy, tuple) else (dy,)
+        gs = torch.autograd.grad(ys, [args[n] for n in present],
+                                 [d.to(device, o.dtype) for d, o in zip(dys, ys)])
+    return {**{n: o.detach() for n, o in outputs(y).items()},
+            **{f"d{n}": g for n, g in zip(present, gs)}}
 
 
 def reference64(op, s, leaves, rng):
@@ -92,10 +111,10 @@ def reference64(op, s, leaves, rng):
     t64 = {n: None if v is None else v.double() for n, v in leaves.items()}
     t64[x] = as_layout(t64[x], s.shapes[x], s.layout)
     with torch.no_grad():
-        dy = torch.from_numpy(np.asarray(rng.normal(op.reference(**t64, **kwargs).shape)))
-    dy = dy.to(leaves[x].dtype)
-    ref = run_torch(op.reference, s, leaves, dy.double(), dtype=torch.float64, kwargs=kwargs)
-    return ref, dy, op.grad_scales(t64, dy.double(), kwargs)
+        dy = grad_outputs(rng, op.reference(**t64, **kwargs), leaves[x].dtype)
+    dy64 = _map(lambda d: d.double(), dy)
+    ref = run_torch(op.reference, s, leaves, dy64, dtype=torch.float64, kwargs=kwargs)
+    return ref, dy, op.grad_scales(t64, dy64, kwargs)
 
 
 def baseline(op, s, leaves, dy, device="cpu"):
@@ -117,7 +136,7 @@ def check(op, s, dtype, leaves, ours, ref, base, scales, rng, what):
     assert set(ours) == set(ref), (what, sorted(ours), sorted(ref))
     for name, want in ref.items():
         got = ours[name]
-        expected = leaves[s.first() if name == "y" else name[1:]].dtype
+        expected = leaves[s.first() if name.startswith("y") else name[1:]].dtype
         assert got.dtype == expected, (what, name, got.dtype, expected)
         got = got.cpu()
         assert tuple(got.shape) == tuple(want.shape), (what, name, got.shape, want.shape)
@@ -137,7 +156,8 @@ def test_torch(op, s, dtype, device, rng):
     leaves = rounded(draw(op, s, rng), s, dtype)
     ref, dy, scales = reference64(op, s, leaves, rng)
     ours = run_torch(getattr(fl, op.name), s, leaves, dy, device)
-    assert ours["y"].is_contiguous()
+    # results contiguous, or (rope) in the layout of their input
+    assert all(ours[n].is_contiguous() for n in ours if n.startswith("y")) or s.nondiff
     base = baseline(op, s, leaves, dy, device)
     check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"torch {op.name} {s.id} on {device}")
 
@@ -146,7 +166,7 @@ def test_torch(op, s, dtype, device, rng):
 def test_gradcheck(op, s, dtype, device, rng):
     leaves = {n: None if v is None else torch.from_numpy(v)
               for n, v in draw(op, s, rng).items()}
-    names = [n for n, v in leaves.items() if v is not None]
+    names = [n for n, v in leaves.items() if v is not None and n not in s.nondiff]
 
     def fn(*ts):
         args = {**leaves, **dict(zip(names, ts))}
@@ -199,7 +219,8 @@ def test_opcheck(op, s, dtype, device, rng):
     leaves = rounded(draw(op, s, rng), s, dtype)
     with torch.no_grad():
         x = as_layout(leaves[s.first()], s.shapes[s.first()], s.layout)
-        dy = torch.randn(getattr(fl, op.name)(**{**leaves, s.first(): x}, **s.kwargs).shape)
+        dy = _map(lambda o: torch.randn(o.shape),
+                  getattr(fl, op.name)(**{**leaves, s.first(): x}, **s.kwargs))
     calls = {}
     with _PublicOps(calls), _InnerOps(calls):
         run_torch(getattr(fl, op.name), s, leaves, dy, device)
@@ -232,13 +253,15 @@ def run_tf(tf, op, s, leaves, dy):
     """As run_torch, through the TF op: {"y": ..., "d<arg>": ...} as TF tensors."""
     t = {n: None if v is None else tf.cast(tf.constant(v.double().numpy()), str(v.dtype)[6:])
          for n, v in leaves.items()}
-    present = [n for n, v in t.items() if v is not None]
+    present = [n for n, v in t.items() if v is not None and n not in s.nondiff]
     with tf.GradientTape() as tape:
         tape.watch([t[n] for n in present])
         y = getattr(fl, op.name)(**t, **s.kwargs)
-    gs = tape.gradient(y, [t[n] for n in present],
-                       output_gradients=tf.cast(tf.constant(dy.double().numpy()), y.dtype))
-    return {"y": y, **{f"d{n}": g for n, g in zip(present, gs)}}
+    ys = list(y) if isinstance(y, tuple) else [y]
+    dys = list(dy) if isinstance(dy, tuple) else [dy]
+    gs = tape.gradient(ys, [t[n] for n in present], output_gradients=[
+        tf.cast(tf.constant(d.double().numpy()), o.dtype) for d, o in zip(dys, ys)])
+    return {**outputs(y), **{f"d{n}": g for n, g in zip(present, gs)}}
 
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
@@ -259,8 +282,7 @@ def check_parity(op, s, dtype, rng, framework: str, run_other):
     if not op.bitwise_parity and dtype != "float32":
         pytest.skip("the frameworks' own GEMMs differ beyond float32 rounding in other dtypes")
     leaves = rounded(draw(op, s, rng), s, dtype)
-    dy = torch.from_numpy(np.asarray(rng.normal(
-        getattr(fl, op.name)(**leaves, **s.kwargs).shape))).to(leaves[s.first()].dtype)
+    dy = grad_outputs(rng, getattr(fl, op.name)(**leaves, **s.kwargs), leaves[s.first()].dtype)
     a = run_torch(getattr(fl, op.name), s, leaves, dy)
     b = run_other(leaves, dy)
     assert set(a) == set(b)
@@ -276,7 +298,7 @@ def check_parity(op, s, dtype, rng, framework: str, run_other):
             tol = 1e-6 * max(1.0, np.sqrt(k / 64))
             err = rel_err(x, y, op.grad_scales(
                 {n: None if v is None else v.double() for n, v in leaves.items()},
-                dy.double(), s.kwargs).get(name))
+                _map(lambda d: d.double(), dy), s.kwargs).get(name))
             assert err <= tol, f"{op.name} {s.id} {name}: {err:.2e} > {tol:.1e} ({rng})"
 
 
@@ -290,10 +312,11 @@ def test_parity(op, s, dtype, device, rng, tf):
                                                      small=True, nonempty=True))
 def test_tf_compute_gradient(op, s, dtype, device, rng, tf):
     values = draw(op, s, rng)
-    names = [n for n, v in values.items() if v is not None]
+    names = [n for n, v in values.items() if v is not None and n not in s.nondiff]
 
-    def fn(*ts):
-        return getattr(fl, op.name)(**{**values, **dict(zip(names, ts))}, **s.kwargs)
+    def fn(*ts):  # several results: compared as one vector
+        y = getattr(fl, op.name)(**{**values, **dict(zip(names, ts))}, **s.kwargs)
+        return tf.concat([tf.reshape(o, [-1]) for o in y], 0) if isinstance(y, tuple) else y
 
     theo, num = tf.test.compute_gradient(fn, [tf.constant(values[n]) for n in names],
                                          delta=1e-6)
@@ -336,20 +359,23 @@ def _jax_array(jax, v: torch.Tensor):
 
 def run_jax(jax, op, s, leaves, dy, compiled=True):
     """As run_torch, through the JAX op (under jax.jit when compiled), back as torch tensors."""
-    present = [n for n, v in leaves.items() if v is not None]
+    present = [n for n, v in leaves.items() if v is not None and n not in s.nondiff]
+    consts = {n: _jax_array(jax, leaves[n]) for n in s.nondiff if leaves.get(n) is not None}
 
     def fn(*ts):
-        return getattr(fl, op.name)(**{**leaves, **dict(zip(present, ts))}, **s.kwargs)
+        return getattr(fl, op.name)(**{**leaves, **consts, **dict(zip(present, ts))}, **s.kwargs)
 
     def forward_and_grads(*ts):
         y, vjp = jax.vjp(fn, *ts)
-        return y, vjp(_jax_array(jax, dy).astype(y.dtype))
+        return y, vjp(jax.tree.map(lambda d, o: d.astype(o.dtype),
+                                   _map(lambda d: _jax_array(jax, d), dy), y))
 
     run = jax.jit(forward_and_grads) if compiled else forward_and_grads
     y, gs = run(*[_jax_array(jax, leaves[n]) for n in present])
     back = lambda a: torch.from_numpy(np.asarray(a).astype(np.float64)).to(  # noqa: E731
         DTYPES[str(a.dtype)])
-    return {"y": back(y), **{f"d{n}": back(g) for n, g in zip(present, gs)}}
+    return {**{n: back(o) for n, o in outputs(y).items()},
+            **{f"d{n}": back(g) for n, g in zip(present, gs)}}
 
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
@@ -368,7 +394,8 @@ def _sharded_samples():
     for op in OP_DB:
         for s in op.samples:
             rows = op.rows(s)
-            if s.layout != "contiguous" or s.cuda_only or rows < 1 or s.numel() == 0:
+            if s.layout != "contiguous" or s.cuda_only or rows < 1 or s.numel() == 0 or len(
+                    {s.shapes[n][0] for n in s.inputs()}) > 1:
                 continue
             s2 = dataclasses.replace(s, id=f"{s.id}-rows-split", shapes={
                 **s.shapes, **{n: (2 * s.shapes[n][0], *s.shapes[n][1:]) for n in s.inputs()}})
@@ -392,25 +419,32 @@ def test_jax_sharded_rows(op, s, rows, rng, jax):
     mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("rows",))
     leaves = rounded(draw(op, s, rng), s, "float32")
     _, dy, scales = reference64(op, s, leaves, rng)
-    present = [n for n, v in leaves.items() if v is not None]
+    present = [n for n, v in leaves.items() if v is not None and n not in s.nondiff]
+    consts = [n for n in s.nondiff if leaves.get(n) is not None]
 
-    def forward_and_grads(dy, *ts):
+    def forward_and_grads(dy, const, *ts):
         y, vjp = jax.vjp(lambda *ts: getattr(fl, op.name)(
-            **{**leaves, **dict(zip(present, ts))}, **s.kwargs), *ts)
-        return y, vjp(dy.astype(y.dtype))
+            **{**leaves, **dict(zip(consts, const)), **dict(zip(present, ts))}, **s.kwargs), *ts)
+        return y, vjp(jax.tree.map(lambda d, o: d.astype(o.dtype), dy, y))
 
     split, whole = NamedSharding(mesh, P("rows")), NamedSharding(mesh, P())
-    args = [_jax_array(jax, dy)] + [_jax_array(jax, leaves[n]) for n in present]
-    split_args = [True] + [n in s.inputs() for n in present]  # dy, then the arguments
-    placed = [jax.device_put(a, split if sp else whole) for sp, a in zip(split_args, args)]
+    dy_arrays = _map(lambda d: _jax_array(jax, d), dy)
+    const_arrays = [_jax_array(jax, leaves[n]) for n in consts]
+    args = [_jax_array(jax, leaves[n]) for n in present]
+    placed = [jax.device_put(dy_arrays, split),
+              [jax.device_put(a, split if n in s.inputs() else whole)
+               for n, a in zip(consts, const_arrays)],
+              *[jax.device_put(a, split if n in s.inputs() else whole)
+                for n, a in zip(present, args)]]
     fn = jax.jit(forward_and_grads)
     with jax.default_device(cpus[0]):
-        y, grads = fn(*args)
+        y, grads = fn(dy_arrays, const_arrays, *args)
     ys, grads_s = fn(*placed)
     hlo = fn.lower(*placed).compile().as_text()
-    got = {"y": ys, **{f"d{n}": g for n, g in zip(present, grads_s)}}
-    want = {"y": y, **{f"d{n}": g for n, g in zip(present, grads)}}
-    for name in ("y", *(f"d{n}" for n in s.inputs())) if op.bitwise_parity else ():
+    got = {**outputs(ys), **{f"d{n}": g for n, g in zip(present, grads_s)}}
+    want = {**outputs(y), **{f"d{n}": g for n, g in zip(present, grads)}}
+    exact = [n for n in got if n.startswith("y")] + [f"d{n}" for n in s.inputs() if n in present]
+    for name in exact if op.bitwise_parity else ():
         assert np.asarray(got[name]).tobytes() == np.asarray(want[name]).tobytes(), (
             f"{name} differs when x's rows are split ({rng})")
     for name in got:
@@ -421,7 +455,8 @@ def test_jax_sharded_rows(op, s, rows, rng, jax):
     if op.name == "relu_scale" and per_row % 32:
         return  # the mask's words would straddle the devices: x is gathered, as documented
     assert "all-gather" not in hlo, f"x was gathered:\n{hlo[:4000]}"
-    assert ys.sharding.spec[:1] == P("rows")[:1], ys.sharding
+    first = ys[0] if isinstance(ys, tuple) else ys
+    assert first.sharding.spec[:1] == P("rows")[:1], first.sharding
 
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(["float32", "bfloat16"], contiguous_only=True))
@@ -438,7 +473,7 @@ def test_jax_parity(op, s, dtype, device, rng, jax):
 def test_jax_check_grads(op, s, dtype, device, rng, jax):
     from jax.test_util import check_grads
     values = {n: None if v is None else jax.numpy.asarray(v) for n, v in draw(op, s, rng).items()}
-    names = [n for n, v in values.items() if v is not None]
+    names = [n for n, v in values.items() if v is not None and n not in s.nondiff]
 
     def fn(*ts):  # check_grads' finite differences pass NumPy arrays
         ts = [jax.numpy.asarray(t) for t in ts]
@@ -464,8 +499,9 @@ def test_jax_errors(op, e, mode, jax):
     run = {"eager": lambda: call(**tensors),
            "jit": lambda: jax.jit(call)(**tensors),
            "make_jaxpr": lambda: jax.make_jaxpr(call)(**tensors),
-           "grad": lambda: jax.grad(lambda ts: jnp.sum(call(**ts)).astype(jnp.float32),
-                                    allow_int=True)(tensors),
+           "grad": lambda: jax.grad(lambda ts: sum(
+               jnp.sum(o).astype(jnp.float32) for o in jax.tree.leaves(call(**ts))),
+               allow_int=True)(tensors),
            # every argument gains a leading mapped axis: the op sees the shapes above
            "vmap": lambda: jax.vmap(lambda ts: call(**ts))(
                {n: jnp.stack([t, t]) for n, t in tensors.items()})}[mode]

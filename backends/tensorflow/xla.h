@@ -27,6 +27,9 @@ class XlaAttributes {
     std::snprintf(buf, sizeof buf, "%.9e : f32", v);
     return add(name, buf);
   }
+  XlaAttributes& i64(const char* name, int64_t v) {
+    return add(name, std::to_string(v) + " : i64");
+  }
   XlaAttributes& i64s(const char* name, const std::vector<int64_t>& v) {
     std::string s = "array<i64";
     for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : ": ") + std::to_string(v[i]);

@@ -114,8 +114,8 @@ def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = REPS,
                 continue
             for shape in shapes(device, quick)[op.name]:
                 case = ops.module(op, "jax").bench_case(shape, dtype)
-                dy = jax.random.normal(jax.random.key(1),
-                                       jax.eval_shape(case.fused, *case.inputs).shape, dtype)
+                dy = jax.tree.map(lambda s: jax.random.normal(jax.random.key(1), s.shape, dtype),
+                                  jax.eval_shape(case.fused, *case.inputs))
                 for pass_ in ("fwd", "fwd+bwd"):
                     impls = {"jax-fused": case.fused, "jax-xla": case.eager,
                              **{"jax-" + name: fn for name, fn in case.variants.items()}}

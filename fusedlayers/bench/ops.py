@@ -154,7 +154,9 @@ def gemm_tflops(device: torch.device, dtype: torch.dtype, rounds: int, reps: int
 
 
 def _fwd_bwd(fn, inputs):
-    grad = torch.randn_like(fn())  # made once: the timed region is forward + backward only
+    # made once: the timed region is forward + backward only; one per output (rope has two)
+    out = fn()
+    grad = tuple(map(torch.randn_like, out)) if isinstance(out, tuple) else torch.randn_like(out)
 
     def run():
         torch.autograd.grad(fn(), inputs, grad)
@@ -208,8 +210,9 @@ def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile
             torch._dynamo.reset()
             impls["compile"] = torch.compile(case.eager)
         if op.bench_unit == "GB/s" and pass_ == "fwd":  # same bytes as the forward: the floor
-            impls["copy"] = lambda src=case.inputs[0], dst=torch.empty_like(case.inputs[0]): \
-                dst.copy_(src)
+            nbytes = case.work["fwd"] // 2  # read and written once each
+            src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            impls["copy"] = lambda src=src, dst=torch.empty_like(src): dst.copy_(src)
         timed = {}
         for impl, fn in impls.items():
             fn, leaves = fn if isinstance(fn, tuple) else (fn, case.inputs[1:])

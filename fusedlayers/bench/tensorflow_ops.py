@@ -12,7 +12,8 @@ from .. import ops
 
 def _fwd_bwd(fn, inputs):
     """fn and its gradients with respect to every input, for a fixed random output gradient."""
-    grad = tf.random.normal(fn(*inputs).shape, dtype=inputs[0].dtype)
+    out = fn(*inputs)  # rope has two outputs: a gradient for each
+    grad = tf.nest.map_structure(lambda y: tf.random.normal(y.shape, dtype=y.dtype), out)
 
     def run(*args):
         with tf.GradientTape() as tape:

@@ -42,6 +42,7 @@ from .. import ops
 from ..fuse_report import FuseReport, class_name
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
+from .rope import fuse_attention
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
 # function (a wrong layout, bias or GELU form is off by far more).
@@ -81,10 +82,26 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
                 _fuse_modules(model, report, fused_cls, class_name(fused_cls))
         if wanted["linear_gelu"] or wanted["relu_scale"]:
             _fuse_traced(model, report, wanted["linear_gelu"], wanted["relu_scale"])
+        if wanted["rope"]:
+            _fuse_rope(model, report)
     model.fusedlayers_report = report
     if verbose:
         print(report)
     return model
+
+
+def _fuse_rope(model: nn.Module, report: FuseReport) -> None:
+    """Each attention module that calls `apply_rotary_pos_emb` gets, on the instance, its forward
+    reading fusedlayers' (fusedlayers.torch.rope.fuse_attention): per model instance, reported."""
+    for path, module in model.named_modules():
+        forward, why = fuse_attention(module)
+        if forward is not None:
+            module.forward = forward
+            report.swapped.append((path, _describe(module),
+                                   "fusedlayers.torch.rope (this instance's forward calls it for "
+                                   "apply_rotary_pos_emb; `del module.forward` undoes it)"))
+        elif why is not None:
+            report.left.append((path, _describe(module), f"RoPE: {why}"))
 
 
 # ---------------------------------------------------------------- probes

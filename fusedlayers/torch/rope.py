@@ -1,0 +1,211 @@
+"""Rotary position embedding on torch tensors: `fusedlayers::rope` (backends/torch/rope.cpp:
+schema, kernels, autograd), its fake kernels, the functional API with Hugging Face's signature,
+the unfused reference, Inductor's lowering, and fuse()'s per-instance rule for attention modules
+that call `apply_rotary_pos_emb`. The math: csrc/rope.h."""
+
+import types
+
+import torch
+
+from ..bench.case import Case
+from . import _op
+
+__all__ = ["apply_rotary_pos_emb", "rope"]
+rope_op = _op.handle("rope")
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         unsqueeze_dim: int = 1, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_embed, k_embed): the rotary position embedding of q and k (Su et al. 2021, RoFormer,
+    arXiv:2104.09864), Hugging Face's `apply_rotary_pos_emb` in one pass for both.
+
+    q: (batch, heads, seq, head_dim) and k: (batch, kv_heads, seq, head_dim) (unsqueeze_dim=1; with
+    2, (batch, seq, heads, head_dim)), one dtype, float32/float64/float16/bfloat16, any strides (a
+    transposed view of (batch, seq, heads, head_dim) is read in place, and the results keep its
+    layout). cos, sin: (batch or 1, seq, rotary_dim), float32 or q's dtype; rotary_dim even and at
+    most head_dim (the dims past it pass through: partial rotary). interleaved: GPT-J's pairs
+    (2i, 2i + 1) instead of rotate_half's (i, i + rotary_dim / 2). Math in float32 (float64 for
+    float64). New tensors, never in place. Autograd saves cos and sin only; cos and sin are not
+    differentiated (ValueError if they require grad). Raises TypeError for dtypes, ValueError for
+    shapes, devices or another unsqueeze_dim.
+    """
+    return tuple(rope_op(q, k, cos, sin, unsqueeze_dim, bool(interleaved)))
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """Drop-in for `transformers.models.llama.modeling_llama.apply_rotary_pos_emb` (and the models
+    that copy it, partial rotary included): `rope(q, k, cos, sin, unsqueeze_dim)`."""
+    return rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def reference(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
+    """The unfused computation rope replaces (Hugging Face's, in q's dtype)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+
+    def rotate(x):
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        if interleaved:
+            rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), -1).flatten(-2)
+        else:
+            rotated = torch.cat((-x_rot[..., r // 2:], x_rot[..., :r // 2]), -1)
+        return torch.cat(((x_rot * cos + rotated * sin).to(x.dtype), x_pass), -1)
+    return rotate(q), rotate(k)
+
+
+def _output_like(t):
+    out = torch.empty_like(t)
+    return out if out.stride(-1) == 1 else t.new_empty(t.shape)
+
+
+@_op.register_fake("rope")
+def _(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+    _op.check_devices("rope", "q", q, k=k, cos=cos, sin=sin)
+    return _output_like(q), _output_like(k)
+
+
+@_op.register_fake("rope_backward")
+def _(dq_embed, dk_embed, cos, sin, unsqueeze_dim, interleaved):
+    _op.check_devices("rope_backward", "dq_embed", dq_embed, dk_embed=dk_embed, cos=cos, sin=sin)
+    return _output_like(dq_embed), _output_like(dk_embed)
+
+
+# ---------------------------------------------------------------- Inductor's lowering
+
+def _acc(t):
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _forward(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+    q_embed, k_embed = reference(_acc(q), _acc(k), _acc(cos), _acc(sin), unsqueeze_dim,
+                                 interleaved)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
+
+
+def _backward(dq_embed, dk_embed, cos, sin, unsqueeze_dim, interleaved):
+    """The transposed rotation: dx = dy cos + rotate^T(dy sin), rotate^T(v) = (v2, -v1)."""
+    cos, sin = _acc(cos).unsqueeze(unsqueeze_dim), _acc(sin).unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+
+    def transpose(dy):
+        d = _acc(dy)
+        d_rot, d_pass = d[..., :r], d[..., r:]
+        v = d_rot * sin
+        if interleaved:
+            rotated = torch.stack((v[..., 1::2], -v[..., ::2]), -1).flatten(-2)
+        else:
+            rotated = torch.cat((v[..., r // 2:], -v[..., :r // 2]), -1)
+        return torch.cat((d_rot * cos + rotated, d_pass), -1).to(dy.dtype)
+    return transpose(dq_embed), transpose(dk_embed)
+
+
+DECOMPOSITIONS = {"rope": _forward, "rope_backward": _backward}
+
+
+# ---------------------------------------------------------------- fuse()
+
+def fuse_attention(module: torch.nn.Module):
+    """fuse()'s rule for RoPE, which Hugging Face attention calls as a function, not a module: for
+    an attention module whose forward calls `apply_rotary_pos_emb` from its modeling module, the
+    same forward (its decorators kept) reading `apply_rotary_pos_emb` as fusedlayers', bound to
+    this instance only (the modeling module and other instances are untouched; `del
+    module.forward` undoes it). Returns (forward, None), or (None, why not) where the forward
+    does not have that form or the modeling module's function does not match ours on a probe."""
+    if "forward" in module.__dict__:
+        return None, "its forward is already an instance attribute"
+    chain = [type(module).forward]
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    inner = chain[-1]
+    if not isinstance(inner, types.FunctionType) or \
+            "apply_rotary_pos_emb" not in inner.__code__.co_names:
+        return None, None  # not a RoPE attention: nothing to report
+    original = inner.__globals__.get("apply_rotary_pos_emb")
+    if not callable(original):
+        return None, "apply_rotary_pos_emb is not a function of its modeling module"
+    why = _probe(original, module)
+    if why:
+        return None, why
+    new = _with_global(inner, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    for i in range(len(chain) - 2, -1, -1):  # re-make each decorator's wrapper around the new one
+        wrapper, old = chain[i], chain[i + 1]
+        cells = wrapper.__closure__ if isinstance(wrapper, types.FunctionType) else None
+        if not cells or not any(_cell_value(c) is old for c in cells):
+            return None, f"a decorator of its forward ({getattr(wrapper, '__qualname__', wrapper)})" \
+                         f" does not hold the function it wraps"
+        new = _with_global(wrapper, old=old, new=new)
+    return types.MethodType(new, module), None
+
+
+_EMPTY = object()
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _EMPTY
+
+
+def _with_global(fn, name=None, value=None, old=None, new=None):
+    """fn with global `name` bound to value (in a copy of its globals) and its closure's cells
+    that hold `old` holding `new` instead."""
+    g = fn.__globals__
+    if name is not None:
+        g = dict(g)
+        g[name] = value
+    closure = fn.__closure__
+    if old is not None:
+        closure = tuple(types.CellType(new) if _cell_value(c) is old else c for c in closure)
+    out = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, closure)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__dict__.update(fn.__dict__)
+    out.__qualname__, out.__doc__, out.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    return out
+
+
+def _probe(original, module) -> str | None:
+    """Why original (the modeling module's apply_rotary_pos_emb) is not ours on a probe, or None."""
+    like = next(iter(module.parameters()), None)
+    if like is None or like.device.type == "meta":
+        return "no parameters on a real device to probe it with"
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim % 2:
+        return "no even head_dim attribute"
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    opts = dict(generator=gen, device=like.device, dtype=torch.float32)
+    q, k = torch.randn(2, 3, 5, head_dim, **opts), torch.randn(2, 1, 5, head_dim, **opts)
+    for rotary in (head_dim, head_dim // 2 if head_dim % 4 == 0 else head_dim):
+        cos, sin = torch.randn(2, 5, rotary, **opts), torch.randn(2, 5, rotary, **opts)
+        try:
+            want = original(q, k, cos, sin)
+        except Exception:  # partial rotary is not the modeling function's: not probed
+            continue
+        got = rope(q, k, cos, sin)
+        if not all(isinstance(w, torch.Tensor) and w.shape == g.shape and
+                   torch.allclose(w, g, rtol=1e-5, atol=1e-5) for w, g in zip(want, got)):
+            return f"its apply_rotary_pos_emb differs from fusedlayers.rope on a probe " \
+                   f"(rotary_dim {rotary})"
+    return None
+
+
+def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = False) -> Case:
+    """shape: (batch, seq, heads, kv_heads, head_dim); q and k as Llama makes them, transposed
+    views of (batch, seq, heads, head_dim); cos and sin in q's dtype."""
+    b, s, h, hk, d = shape
+    q, k = (torch.randn(b, s, n, d, device=device, dtype=dtype).transpose(1, 2)
+            .requires_grad_() for n in (h, hk))
+    theta = torch.arange(s, device=device)[:, None] / 10000 ** (
+        torch.arange(0, d, 2, device=device) / d)
+    angles = torch.cat((theta, theta), -1)[None]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    nbytes = (q.numel() + k.numel()) * q.element_size()
+    case = Case(lambda: rope(q, k, cos, sin), lambda: reference(q, k, cos, sin), [q, k],
+                {"fwd": 2 * nbytes, "fwd+bwd": 4 * nbytes})
+    if peers and device.type == "cuda":
+        try:
+            from liger_kernel.ops.rope import LigerRopeFunction
+            case.variants["liger"] = lambda: LigerRopeFunction.apply(q, k, cos, sin)
+        except ImportError:
+            pass
+    return case
