@@ -11,10 +11,12 @@
 
 #include "csrc/linear_gelu_epilogue.h"
 #include "csrc/cpu_types.h"
+#include "csrc/gated.h"
 #include "csrc/layer_norm.h"
 #include "csrc/linear_gelu.h"
 #include "csrc/relu_scale.h"
 #include "csrc/rms_norm.h"
+#include "csrc/rope.h"
 
 using namespace fusedlayers;
 
@@ -102,6 +104,106 @@ void relu_scale_test(std::mt19937_64& rng) {
   b.mask_sizes = {short_mask.data(), 1};
   expect_error([&] { relu_scale_backward_check(b); }, "mask must have shape [32]",
                "relu_scale short mask");
+}
+
+// swiglu and geglu (tanh) on the halves of one (rows, 2 cols) buffer, forward and backward,
+// against float64.
+void gated_test(std::mt19937_64& rng) {
+  const int64_t rows = 9, cols = 301;
+  const std::vector<int64_t> shape{rows, cols};
+  std::vector<float> h = randn(rng, 2 * rows * cols), dy = randn(rng, rows * cols);
+  for (auto& v : h) v *= 3;
+  for (GatedActivation act : {GatedActivation::kSilu, GatedActivation::kGeluTanh}) {
+    std::vector<float> y(rows * cols), dg(rows * cols), du(rows * cols);
+    TensorRef gate{h.data(), DType::kFloat32, {shape.data(), 2}, true};
+    TensorRef up{h.data() + cols, DType::kFloat32, {shape.data(), 2}, true};
+    GatedForward f{{gate, 2 * cols}, {up, 2 * cols}, act, y.data()};
+    const RowsCols rc = gated_forward_check("swiglu", f);
+    gated_forward(f, rc, threads_exec(3));
+    GatedBackward b{ref(dy, shape), {gate, 2 * cols}, {up, 2 * cols}, act, dg.data(), du.data()};
+    gated_backward_check("swiglu_backward", b);
+    gated_backward(b, rc, threads_exec(3));
+    std::vector<double> wy, wg, wu;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const double g = h[r * 2 * cols + c], u = h[r * 2 * cols + cols + c];
+        const double d = dy[r * cols + c];
+        double a, da;
+        if (act == GatedActivation::kSilu) {
+          const double s = 1 / (1 + std::exp(-g));
+          a = g * s;
+          da = s * (1 + g * (1 - s));
+        } else {
+          const double k = 0.7978845608028654, z = k * (g + 0.044715 * g * g * g);
+          const double t = std::tanh(z);
+          a = 0.5 * g * (1 + t);
+          da = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g);
+        }
+        wy.push_back(a * u);
+        wu.push_back(d * a);
+        wg.push_back(d * u * da);
+      }
+    const std::string name = act == GatedActivation::kSilu ? "swiglu" : "geglu";
+    expect_close(y, wy, 1e-6, 1e-5, name + " forward");
+    expect_close(du, wu, 1e-6, 1e-5, name + " dup");
+    expect_close(dg, wg, 1e-5, 1e-5, name + " dgate");
+  }
+  const std::vector<int64_t> other{rows, cols + 1};
+  std::vector<float> y(rows * cols);
+  expect_error([&] {
+    gated_forward_check("swiglu", {{ref(dy, shape)}, {ref(y, other)}});
+  }, "up must have gate's shape [9, 301], got [9, 302]", "swiglu shape mismatch");
+}
+
+// rope on (batch, heads, seq, head_dim) q and k of different head counts, partial rotary,
+// forward against float64 and the backward as its transpose (<dy, rope(x)> = <rope^T(dy), x>).
+void rope_test(std::mt19937_64& rng) {
+  const int64_t b = 2, hq = 3, hk = 1, s = 5, d = 12, r = 8;
+  const std::vector<int64_t> qs{b, hq, s, d}, ks{b, hk, s, d}, cs{1, s, r};
+  std::vector<float> q = randn(rng, b * hq * s * d), k = randn(rng, b * hk * s * d);
+  std::vector<float> cos(s * r), sin(s * r);
+  for (int64_t i = 0; i < s * r; ++i) {
+    const double angle = 0.37 * double(i) - 1.1;
+    cos[i] = float(std::cos(angle));
+    sin[i] = float(std::sin(angle));
+  }
+  const RopeArgs a{ref(q, qs), ref(k, ks), ref(cos, cs), ref(sin, cs), 1, false};
+  const RopeShape shape = rope_check("rope", a);
+  auto view = [&](std::vector<float>& v, int64_t heads) {
+    return RopeView{v.data(), heads, heads * s * d, s * d, d};
+  };
+  std::vector<float> qe(q.size()), ke(k.size()), dq(q.size()), dk(k.size());
+  RopePass p{DType::kFloat32, DType::kFloat32, shape, cos.data(), sin.data(), 0, r,
+             view(q, hq), view(k, hk), view(qe, hq), view(ke, hk), false, false};
+  rope(p, threads_exec(3));
+  std::vector<double> want;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t h = 0; h < hq; ++h)
+      for (int64_t si = 0; si < s; ++si)
+        for (int64_t j = 0; j < d; ++j) {
+          const float* x = &q[((bi * hq + h) * s + si) * d];
+          if (j >= r) {
+            want.push_back(x[j]);
+            continue;
+          }
+          const double rot = j < r / 2 ? -double(x[j + r / 2]) : double(x[j - r / 2]);
+          want.push_back(x[j] * double(cos[si * r + j]) + rot * double(sin[si * r + j]));
+        }
+  expect_close(qe, want, 1e-6, 1e-6, "rope forward");
+  // the backward is the transpose: <dy, rope(x)> == <rope_backward(dy), x>
+  std::vector<float> dy = randn(rng, q.size()), dyk(k.size(), 0.0f);
+  RopePass bp{DType::kFloat32, DType::kFloat32, shape, cos.data(), sin.data(), 0, r,
+              view(dy, hq), view(dyk, hk), view(dq, hq), view(dk, hk), false, true};
+  rope(bp, threads_exec(2));
+  double lhs = 0, rhs = 0;
+  for (size_t i = 0; i < q.size(); ++i) {
+    lhs += double(dy[i]) * qe[i];
+    rhs += double(dq[i]) * q[i];
+  }
+  expect(std::abs(lhs - rhs) <= 1e-4 * (1 + std::abs(lhs)), "rope backward is the transpose");
+  const std::vector<int64_t> odd{1, s, 7};
+  expect_error([&] { rope_check("rope", {ref(q, qs), ref(k, ks), ref(cos, odd), ref(sin, odd)}); },
+               "rotary_dim (cos.shape[-1]) must be even", "rope odd rotary_dim");
 }
 
 // LayerNorm and RMSNorm forward and backward against float64, and dweight bitwise equal for one
@@ -442,6 +544,8 @@ int main(int argc, char** argv) {
   const unsigned long long seed = argc > 1 ? std::stoull(argv[1]) : 0;
   std::mt19937_64 rng(seed);
   relu_scale_test(rng);
+  gated_test(rng);
+  rope_test(rng);
   norm_test(rng, false);
   norm_test(rng, true);
   linear_gelu_epilogue_test(rng);

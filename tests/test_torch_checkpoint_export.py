@@ -40,6 +40,24 @@ class Stack(nn.Module):
         return x
 
 
+class LlamaOps(nn.Module):
+    """swiglu, geglu and rope on one projection's slices, as a decoder calls them."""
+
+    def __init__(self, width: int = 37):
+        super().__init__()
+        self.proj, self.out = nn.Linear(width, 64), nn.Linear(16, width)
+
+    def forward(self, x):
+        h = self.proj(x)
+        b, s = x.shape[:2]
+        gate, up = h[..., :16], h[..., 16:32]
+        mlp = flt.swiglu(gate, up) + flt.geglu(gate, up, "tanh")
+        q, k = (h[..., i:i + 16].reshape(b, s, 2, 8).transpose(1, 2) for i in (32, 48))
+        angles = torch.arange(s, dtype=x.dtype)[None, :, None] * torch.linspace(0.1, 1, 8)
+        q, k = flt.rope(q, k, angles.cos(), angles.sin())
+        return self.out(mlp + (q + k).transpose(1, 2).reshape(b, s, 16))
+
+
 def fused_stack(**kwargs) -> Stack:
     model = flt.fuse(Stack(**kwargs))
     swapped = {type(m) for m in model.modules()}
@@ -104,7 +122,7 @@ def test_onnx_export_of_a_fused_model_runs_in_onnxruntime():
     onnxruntime gives eager's result."""
     import onnxruntime
 
-    model = nn.Sequential(fused_stack(depth=2), flt.RMSNorm(37)).eval()
+    model = nn.Sequential(fused_stack(depth=2), flt.RMSNorm(37), LlamaOps()).eval()
     x = torch.randn(2, 7, 37)
     graph = str(torch.export.export(model, (x,)).graph)
     assert {op for op in ops.NAMES if f"fusedlayers.{op}." in graph} == set(ops.NAMES)
