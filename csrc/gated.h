@@ -18,6 +18,7 @@
 #pragma once
 
 #include <string>
+#include <type_traits>
 
 #include "common.h"
 #include "gelu.h"
@@ -30,6 +31,17 @@ enum class GatedActivation { kSilu, kGelu, kGeluTanh };
 inline GatedActivation geglu_activation(const char* op, const std::string& approximate) {
   return parse_gelu_approx(op, approximate) == GeluApprox::kTanh ? GatedActivation::kGeluTanh
                                                                  : GatedActivation::kGelu;
+}
+
+// fn(std::integral_constant<GatedActivation, act>{}): each activation a kernel instantiation.
+template <typename Fn>
+void with_activation(GatedActivation act, Fn&& fn) {
+  using A = GatedActivation;
+  switch (act) {
+    case A::kSilu: fn(std::integral_constant<A, A::kSilu>{}); return;
+    case A::kGelu: fn(std::integral_constant<A, A::kGelu>{}); return;
+    case A::kGeluTanh: fn(std::integral_constant<A, A::kGeluTanh>{}); return;
+  }
 }
 
 // A tensor's rows: 0 for contiguous ones (cols apart), else the elements between rows.

@@ -58,17 +58,6 @@ FUSEDLAYERS_CPU_CLONES void backward_row(const T* __restrict dy, const T* __rest
 // Rows per parallel task: about 16K elements, so small inputs stay on one thread.
 int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
-template <typename Fn>
-void dispatch_activation(GatedActivation act, Fn&& fn) {
-  switch (act) {
-    case GatedActivation::kSilu: fn(std::integral_constant<GatedActivation, GatedActivation::kSilu>{}); return;
-    case GatedActivation::kGelu: fn(std::integral_constant<GatedActivation, GatedActivation::kGelu>{}); return;
-    case GatedActivation::kGeluTanh:
-      fn(std::integral_constant<GatedActivation, GatedActivation::kGeluTanh>{});
-      return;
-  }
-}
-
 void check_sizes(const char* pass, int64_t rows, int64_t cols, int64_t gs, int64_t us) {
   if (rows < 0 || cols < 0 || (rows > 1 && (gs < cols || us < cols)))
     fail(std::string(pass) + ": bad sizes " + std::to_string(rows) + " x " + std::to_string(cols) +
@@ -88,7 +77,7 @@ void gated_forward_cpu(const void* gate, int64_t gs, const void* up, int64_t us,
     const T* g = static_cast<const T*>(gate);
     const T* u = static_cast<const T*>(up);
     T* out = static_cast<T*>(y);
-    dispatch_activation(act, [&](auto act_tag) {
+    with_activation(act, [&](auto act_tag) {
       constexpr GatedActivation kAct = decltype(act_tag)::value;
       parallel_for(rows, grain(cols), [&](int64_t begin, int64_t end) {
         const cpu::IeeeSubnormals ieee;
@@ -125,7 +114,7 @@ void gated_backward_cpu(const void* dy, const void* gate, int64_t gs, const void
     const T* u = static_cast<const T*>(up);
     T* dg = static_cast<T*>(dgate);
     T* du = static_cast<T*>(dup);
-    dispatch_activation(act, [&](auto act_tag) {
+    with_activation(act, [&](auto act_tag) {
       constexpr GatedActivation kAct = decltype(act_tag)::value;
       parallel_for(rows, grain(cols), [&](int64_t begin, int64_t end) {
         const cpu::IeeeSubnormals ieee;

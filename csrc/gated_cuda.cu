@@ -117,21 +117,7 @@ void dispatch(DType dtype, GatedActivation act, int64_t rows, int64_t cols, int6
       for (const void* p : pointers) vec = vec && cuda::aligned(p, 16);
       const bool flat = rows <= 1 || (gs == cols && us == cols);
       auto with_act = [&](auto n_tag, auto flat_tag) {
-        switch (act) {
-          case GatedActivation::kSilu:
-            launch(t, n_tag, std::integral_constant<GatedActivation, GatedActivation::kSilu>{},
-                   flat_tag);
-            return;
-          case GatedActivation::kGelu:
-            launch(t, n_tag, std::integral_constant<GatedActivation, GatedActivation::kGelu>{},
-                   flat_tag);
-            return;
-          case GatedActivation::kGeluTanh:
-            launch(t, n_tag,
-                   std::integral_constant<GatedActivation, GatedActivation::kGeluTanh>{},
-                   flat_tag);
-            return;
-        }
+        with_activation(act, [&](auto act_tag) { launch(t, n_tag, act_tag, flat_tag); });
       };
       auto with_flat = [&](auto n_tag) {
         if (flat) with_act(n_tag, std::true_type{});

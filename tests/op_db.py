@@ -66,6 +66,7 @@ class OpInfo:
     # (kwargs, x's dtype) -> the kwargs that give the float64 reference the same math (a
     # default that depends on the dtype, as rms_norm's eps=None, made explicit)
     reference_kwargs: Callable = lambda kw, dtype: kw
+    keeps_layout: bool = False  # results in their input's layout (rope), not contiguous
     # sample -> the leading dims of its inputs that are rows (split across devices in JAX)
     rows: Callable = lambda s: min(len(s.shapes[s.first()]), 1)
 
@@ -470,6 +471,7 @@ def _rope_error(id_, changes, kwargs, type_error, match):
 
 ROPE = OpInfo(
     "rope", _rope_samples(), _rope_draw, reference.rope, grad_scales=_rope_scales,
+    keeps_layout=True,
     rows=lambda s: s.kwargs["unsqueeze_dim"],
     errors=(
         _rope_error("k-heads-dim", {"k": ((2, 2, 5, 6), "float32")}, {}, False,
