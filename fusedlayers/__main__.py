@@ -105,8 +105,8 @@ def bench(argv: list[str]) -> int:
     model = parser.add_argument_group(
         "whole models", "--model times training steps of a Hugging Face model (built from "
         "config), unfused vs fusedlayers.torch.fuse, instead of single ops; with --framework "
-        "jax, of a BERT-base-shaped Keras encoder on Keras' JAX backend, unfused vs "
-        "fusedlayers.keras.fuse (bert-base only)")
+        "jax, of a Keras model on Keras' JAX backend (bert-base: a BERT-base-shaped encoder; "
+        "llama: 4 Llama-1B-shaped decoder blocks), unfused vs fused")
     model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2", "llama"))
     model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
     model.add_argument("--batch", help="comma-separated batch sizes (default: a host-bound and "
@@ -128,8 +128,8 @@ def bench(argv: list[str]) -> int:
                         help="comma-separated, of mlp and the --model names")
     args = parser.parse_args(argv)
     if args.framework == "jax" and args.model:
-        if args.model != "bert-base":
-            parser.error("--framework jax --model: bert-base only")
+        if args.model not in ("bert-base", "llama"):
+            parser.error("--framework jax --model: bert-base or llama")
         return _bench_keras_model(args)
 
     import torch

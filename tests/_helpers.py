@@ -234,3 +234,16 @@ def run_python(code: str, env_extra: dict | None = None, timeout: float = 600,
         f"subprocess failed (rc {proc.returncode})\n--- stdout ---\n{proc.stdout[-6000:]}\n"
         f"--- stderr ---\n{proc.stderr[-6000:]}")
     return proc.stdout
+
+
+def keras_hub_rotary(xp, x, max_wavelength=10000, scaling_factor=1.0):
+    """KerasHub's RotaryEmbedding formula for x (batch, seq, ..., dim) in array module xp (numpy
+    or jax.numpy, to differentiate it), positions 0..seq-1: the unfused reference."""
+    dim, seq = x.shape[-1], x.shape[1]
+    inverse_freq = 1.0 / max_wavelength ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    positions = np.arange(seq, dtype=np.float32) / scaling_factor
+    freq = np.einsum("i,j->ij", positions, inverse_freq)
+    emb = np.concatenate([freq, freq], -1).reshape(1, seq, *([1] * (x.ndim - 3)), dim)
+    x1, x2 = xp.split(x, 2, axis=-1)
+    rotated = xp.concatenate([-x2, x1], -1)
+    return x * np.cos(emb) + rotated * np.sin(emb)

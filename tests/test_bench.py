@@ -189,6 +189,26 @@ def test_model_bench_tiny_on_cpu(name):
     assert bf16.first_forward_rel_diff <= 1e-2
 
 
+@pytest.mark.parametrize("name", ("bert-base", "llama"))
+def test_keras_model_bench_tiny_on_the_jax_backend(name, tmp_path):
+    """Keras' functional models on JAX, unfused against fused (llama: its Attention layer reshapes
+    by ops.shape, so Keras infers the fused rotation's output with a symbolic batch size)."""
+    pytest.importorskip("keras")
+    pytest.importorskip("jax")
+    out = tmp_path / "keras.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "fusedlayers", "bench", "--framework", "jax", "--model", name,
+         "--tiny", "--batch", "2", "--precision", "float32", "--rounds", "1", "--steps", "1",
+         "--json", str(out)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert (row["model"], row["batch"], row["precision"]) == (f"{name}-tiny", 2, "float32")
+    assert row["unfused_ms"] > 0 and row["fused_ms"] > 0
+    # The fused model computes the same function (same weights): float32 rounding only.
+    assert 0 < row["first_forward_rel_diff"] <= 1e-5
+
+
 def test_model_bench_rejects_unknown_precision():
     with pytest.raises(ValueError, match="fp8"):
         model_bench.run("bert-base", "cpu", precisions=("fp8",))

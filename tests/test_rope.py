@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedlayers as fl
 from fusedlayers.torch import fuse
-from _helpers import rel_err
+from _helpers import keras_hub_rotary, rel_err
 
 
 def llama_qkcs(dtype=torch.float32, requires_grad=True):
@@ -101,19 +101,6 @@ class _Recorder(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _keras_hub_rotary(keras, x, max_wavelength=10000, scaling_factor=1.0):
-    """KerasHub's RotaryEmbedding formula for (batch, seq, ..., dim), the unfused reference."""
-    ops = keras.ops
-    dim, seq = x.shape[-1], x.shape[1]
-    inverse_freq = 1.0 / max_wavelength ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    positions = np.arange(seq, dtype=np.float32) / scaling_factor
-    freq = np.einsum("i,j->ij", positions, inverse_freq)
-    emb = np.concatenate([freq, freq], -1).reshape(1, seq, *([1] * (x.ndim - 3)), dim)
-    x1, x2 = np.split(x, 2, axis=-1)
-    rotated = np.concatenate([-x2, x1], -1)
-    return x * np.cos(emb) + rotated * np.sin(emb)
-
-
 @pytest.mark.parametrize("shape", ((2, 9, 16), (2, 9, 3, 8)))
 def test_keras_rotary_embedding_matches_keras_hub(shape, rng):
     keras = pytest.importorskip("keras")
@@ -121,7 +108,7 @@ def test_keras_rotary_embedding_matches_keras_hub(shape, rng):
     x = np.asarray(rng.normal(shape), np.float32)
     layer = RotaryEmbedding(max_wavelength=500, scaling_factor=2.0)
     y = keras.ops.convert_to_numpy(layer(x))
-    want = _keras_hub_rotary(keras, x, 500, 2.0)
+    want = keras_hub_rotary(np, x, 500, 2.0)
     assert y.shape == x.shape
     assert rel_err(torch.from_numpy(y), torch.from_numpy(want.astype(np.float32))) <= 1e-5
     assert RotaryEmbedding.from_config(layer.get_config()).get_config() == layer.get_config()

@@ -1,14 +1,23 @@
-"""`python -m fusedlayers bench --framework jax --model bert-base`: training steps of a
-BERT-base-shaped Keras encoder on Keras' JAX backend, the model of stock Keras layers against
-`fusedlayers.keras.fuse` of it (its LayerNormalizations and Dense(gelu) layers as fusedlayers'
-custom calls), both compiled by XLA as Keras always does on JAX.
+"""`python -m fusedlayers bench --framework jax --model bert-base|llama`: training steps of Keras
+models on Keras' JAX backend, the model of stock Keras layers against its fused form, both
+compiled by XLA as Keras always does on JAX.
 
-The encoder is BERT-base's shape (Devlin et al. 2018): token and position embeddings, 12 post-LN
-blocks of width 768 (12-head self-attention, Keras' MultiHeadAttention; a 3072-wide erf-GELU MLP),
-LayerNorm epsilon 1e-12, sequence 512, no dropout. `tiny` shrinks it to 2 blocks of width 64 for a
-quick run on the CPU. Mixed precision as Keras' "mixed_bfloat16" policy (bfloat16 compute,
-float32 variables) or float32. A step is `model.fit` on one batch: forward, the mean square of the
-last hidden state, backward, AdamW.
+bert-base: a BERT-base-shaped encoder (Devlin et al. 2018): token and position embeddings, 12
+post-LN blocks of width 768 (12-head self-attention, Keras' MultiHeadAttention; a 3072-wide
+erf-GELU MLP), LayerNorm epsilon 1e-12, sequence 512, no dropout; fused by
+`fusedlayers.keras.fuse` (its LayerNormalizations and Dense(gelu) layers as fusedlayers' custom
+calls).
+
+llama: 4 decoder blocks of Llama-3.2-1B's shape (Dubey et al. 2024): width 2048, pre-RMSNorm
+(epsilon 1e-5), causal self-attention with 32 query and 8 key/value heads of 64 and rotary
+position embeddings on q and k (KerasHub's formula), a 5632-wide SwiGLU MLP, sequence 2048. The
+unfused model computes the rotation and silu(gate) * up in keras.ops; the fused one is built
+with fusedlayers.keras.RotaryEmbedding and GatedMLP (the same weights) and passed through
+`fusedlayers.keras.fuse` for its RMSNormalizations.
+
+`tiny` shrinks either to 2 blocks of width 64 for a quick run on the CPU. Mixed precision as
+Keras' "mixed_bfloat16" policy (bfloat16 compute, float32 variables) or float32. A step is
+`model.fit` on one batch: forward, the mean square of the last hidden state, backward, AdamW.
 
 Unfused and fused run interleaved in A/B rounds (ABBA order), each a `fit` of `steps` batches
 whose wall time ends when fit returns its logs (so the device work is done); the median over the
@@ -24,8 +33,15 @@ import time
 from dataclasses import asdict, dataclass
 
 CONFIGS = {"bert-base": dict(blocks=12, width=768, heads=12, mlp=3072, vocab=30522, seq=512),
-           "tiny": dict(blocks=2, width=64, heads=4, mlp=256, vocab=1000, seq=64)}
-DEFAULT_BATCHES = {"gpu": (16, 32), "cpu": (4,)}
+           "bert-base-tiny": dict(blocks=2, width=64, heads=4, mlp=256, vocab=1000, seq=64),
+           "llama": dict(blocks=4, width=2048, heads=32, kv_heads=8, mlp=5632, vocab=32000,
+                         seq=2048),
+           "llama-tiny": dict(blocks=2, width=64, heads=4, kv_heads=2, mlp=160, vocab=1000,
+                              seq=64)}
+# The custom calls each fused model's compiled forward must contain.
+FUSED_OPS = {"bert-base": ("layer_norm", "linear_gelu"), "llama": ("rms_norm", "swiglu", "rope")}
+DEFAULT_BATCHES = {"bert-base": {"gpu": (16, 32), "cpu": (4,)},
+                   "llama": {"gpu": (2, 4), "cpu": (4,)}}
 HEADER = (f"{'model':<15}{'batch':>6} {'precision':<15}{'unfused ms':>11}{'fused ms':>10}"
           f"{'speedup':>9}{'1st fwd diff':>14}")
 
@@ -51,7 +67,7 @@ def _keras():
     return keras
 
 
-def build(blocks: int, width: int, heads: int, mlp: int, vocab: int, seq: int):
+def build_bert(blocks: int, width: int, heads: int, mlp: int, vocab: int, seq: int):
     """The unfused encoder: a functional keras.Model from token ids (batch, seq) int32 to the
     last hidden state (batch, seq, width)."""
     keras = _keras()
@@ -75,6 +91,72 @@ def build(blocks: int, width: int, heads: int, mlp: int, vocab: int, seq: int):
     return keras.Model(ids, x)
 
 
+def build_llama(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: int,
+                seq: int, fused: bool = False):
+    """Llama decoder blocks as a functional keras.Model from token ids (batch, seq) int32 to the
+    last normalized hidden state (batch, seq, width): with keras.ops' rotation and SwiGLU, or
+    (fused) fusedlayers.keras's layers, their weights created in the same order."""
+    keras = _keras()
+    from keras import layers, ops
+
+    import fusedlayers.keras as flk
+
+    class UnfusedRotaryEmbedding(flk.RotaryEmbedding):
+        """KerasHub's rotation of (batch, seq, heads, dim) in keras.ops."""
+
+        def call(self, x):
+            cos, sin = (t[:, :, None] for t in self._cos_sin(x.shape[1], x.shape[-1], 0, None))
+            x1, x2 = ops.split(x, 2, axis=-1)
+            return x * cos + ops.concatenate([-x2, x1], axis=-1) * sin
+
+    class UnfusedGatedMLP(flk.GatedMLP):
+        def call(self, x):
+            return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Attention(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            dense = dict(use_bias=False, dtype=self.dtype_policy)
+            self.q_proj = layers.Dense(heads * (width // heads), **dense)
+            self.k_proj = layers.Dense(kv_heads * (width // heads), **dense)
+            self.v_proj = layers.Dense(kv_heads * (width // heads), **dense)
+            self.o_proj = layers.Dense(width, **dense)
+            self.rotary = (flk.RotaryEmbedding if fused else UnfusedRotaryEmbedding)(
+                max_wavelength=500000, dtype=self.dtype_policy)
+
+        def build(self, shape):
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                proj.build(shape)
+            self.o_proj.build(shape)
+
+        def call(self, x):
+            b, s = ops.shape(x)[:2]
+            q, k, v = (ops.reshape(proj(x), (b, s, n, width // heads)) for proj, n in
+                       ((self.q_proj, heads), (self.k_proj, kv_heads), (self.v_proj, kv_heads)))
+            y = ops.dot_product_attention(self.rotary(q), self.rotary(k), v, is_causal=True)
+            return self.o_proj(ops.reshape(y, (b, s, width)))
+
+    ids = keras.Input((seq,), dtype="int32")
+    x = layers.Embedding(vocab, width)(ids)
+    for _ in range(blocks):
+        x = x + Attention()(layers.RMSNormalization(epsilon=1e-5)(x))
+        mlp_layer = flk.GatedMLP(mlp) if fused else UnfusedGatedMLP(mlp)
+        x = x + mlp_layer(layers.RMSNormalization(epsilon=1e-5)(x))
+    return keras.Model(ids, layers.RMSNormalization(epsilon=1e-5)(x))
+
+
+def _models(name: str, config: dict):
+    """(unfused, fused) with the same weights."""
+    import fusedlayers.keras as flk
+    if name == "bert-base":
+        unfused = build_bert(**config)
+        return unfused, flk.fuse(unfused)
+    unfused = build_llama(**config)
+    fused = flk.fuse(build_llama(**config, fused=True))
+    fused.set_weights(unfused.get_weights())
+    return unfused, fused
+
+
 def _compile(model):
     keras = _keras()
     model.compile(optimizer=keras.optimizers.AdamW(1e-4),
@@ -88,16 +170,17 @@ def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = Fa
     import jax
     import numpy as np
 
-    import fusedlayers.keras as flk
-    config = CONFIGS["tiny" if tiny else name]
+    if name not in FUSED_OPS:
+        raise ValueError(f"the Keras model bench's model must be one of "
+                         f"{', '.join(FUSED_OPS)}, got {name!r}")
+    config = CONFIGS[f"{name}-tiny" if tiny else name]
     gpu = jax.devices()[0].platform == "gpu"
     rows = []
     for precision in precisions:
         keras.mixed_precision.set_global_policy(precision)
-        for batch in batches or DEFAULT_BATCHES["gpu" if gpu else "cpu"]:
+        for batch in batches or DEFAULT_BATCHES[name]["gpu" if gpu else "cpu"]:
             keras.utils.set_random_seed(0)
-            unfused = build(**config)
-            fused = flk.fuse(unfused)
+            unfused, fused = _models(name, config)
             rng = np.random.default_rng(0)
             ids = rng.integers(0, config["vocab"], (steps * batch, config["seq"]), np.int32)
             target = np.zeros((steps * batch, 1), np.float32)  # the loss ignores it
@@ -105,7 +188,7 @@ def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = Fa
             b = np.asarray(fused(ids[:batch]), np.float64)
             diff = float(np.linalg.norm(b - a) / np.linalg.norm(a))
             lowered = jax.jit(lambda x: fused(x)).lower(ids[:batch]).as_text()
-            if not all(f"fusedlayers_{op}_" in lowered for op in ("layer_norm", "linear_gelu")):
+            if not all(f"fusedlayers_{op}_" in lowered for op in FUSED_OPS[name]):
                 raise RuntimeError(f"the fused model's program does not call fusedlayers' "
                                    f"kernels:\n{fused.fusedlayers_report}")
             times = {"unfused": [], "fused": []}

@@ -18,10 +18,10 @@ class LayerNorm(nnx.LayerNorm):
         if (mask is not None or self.axis_name is not None
                 or self.reduction_axes not in (-1, (-1,)) or self.feature_axes not in (-1, (-1,))):
             return super().__call__(x, mask=mask)
-        dtype = self.dtype or jnp.result_type(x, *(p.value for p in (self.scale, self.bias)
+        dtype = self.dtype or jnp.result_type(x, *(p[...] for p in (self.scale, self.bias)
                                                    if p is not None))
         compute = jnp.promote_types(x.dtype, dtype)
         params = jnp.promote_types(compute, jnp.float32)
-        scale = None if self.scale is None else self.scale.value.astype(params)
-        bias = None if self.bias is None else self.bias.value.astype(params)
+        scale = None if self.scale is None else self.scale[...].astype(params)
+        bias = None if self.bias is None else self.bias[...].astype(params)
         return layer_norm_trailing(x.astype(compute), 1, scale, bias, self.epsilon).astype(dtype)

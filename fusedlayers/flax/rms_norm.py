@@ -19,8 +19,8 @@ class RMSNorm(nnx.RMSNorm):
                 or self.reduction_axes not in (-1, (-1,)) or self.feature_axes not in (-1, (-1,))):
             return super().__call__(x, mask=mask)
         dtype = self.dtype or jnp.result_type(x, *(() if self.scale is None
-                                                   else (self.scale.value,)))
+                                                   else (self.scale[...],)))
         compute = jnp.promote_types(x.dtype, dtype)
         params = jnp.promote_types(compute, jnp.float32)
-        scale = None if self.scale is None else self.scale.value.astype(params)
+        scale = None if self.scale is None else self.scale[...].astype(params)
         return rms_norm(x.astype(compute), x.shape[-1], scale, self.epsilon).astype(dtype)
