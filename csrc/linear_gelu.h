@@ -28,6 +28,7 @@
 
 #include "linear_gelu_epilogue.h"
 #include "common.h"
+#include "gemm.h"
 #include "gelu.h"
 
 typedef struct cublasLtContext* cublasLtHandle_t;  // as cublasLt.h declares it
@@ -46,15 +47,8 @@ struct LtContext {
   cudaStream_t stream = nullptr;
 };
 
-// An operand of the framework's CPU GEMM: a rows x cols matrix of a contiguous row-major buffer,
-// stored as it is or, when `transposed`, as its cols x rows transpose.
-struct Matrix {
-  const void* data;
-  int64_t rows, cols;
-  bool transposed;
-};
-
-// c = a @ b in `dtype` (a.rows x b.cols, contiguous row-major), by the framework's GEMM.
+// c = a @ b in `dtype` (a.rows x b.cols, contiguous row-major, gemm.h's Matrix operands), by
+// the framework's GEMM.
 using CpuGemm = std::function<void(const Matrix& a, const Matrix& b, void* c, DType dtype)>;
 
 // The GEMMs of the op on each device: the binding hands both in, the entry point uses the one of

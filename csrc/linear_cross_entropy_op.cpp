@@ -1,0 +1,120 @@
+// Linear + cross-entropy: argument checks, the chunk size and the loop over row chunks
+// (contract: linear_cross_entropy.h).
+#include <algorithm>
+#include <cmath>
+
+#include "linear_cross_entropy.h"
+
+namespace fusedlayers {
+namespace {
+
+constexpr const char* kOp = "linear_cross_entropy";
+// A chunk of at least this many rows, so that dW's read-modify-write per chunk is amortized
+// over a GEMM of that depth; larger where the input itself is larger than such a chunk.
+constexpr int64_t kMinChunkRows = 1024;
+
+size_t dtype_size(DType t) {
+  return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2;
+}
+
+DType loss_dtype(DType t) { return t == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+
+void check_2d(const char* name, const TensorRef& t) {
+  if (t.sizes.size != 2)
+    arg_error(kOp, std::string(name) + " must be 2-D, got shape " + t.sizes.str());
+}
+
+bool computes_grads(const LinearCrossEntropy& a) { return a.grad_scale != nullptr; }
+
+}  // namespace
+
+LinearCrossEntropySizes linear_cross_entropy_check(const LinearCrossEntropy& a) {
+  check_2d("input", a.input);
+  check_2d("linear_weight", a.weight);
+  const int64_t n = a.input.sizes[0], h = a.input.sizes[1], v = a.weight.sizes[0];
+  if (a.weight.dtype != a.input.dtype)
+    arg_error(kOp, std::string("linear_weight must have input's dtype ") +
+                       dtype_name(a.input.dtype) + ", got " + dtype_name(a.weight.dtype),
+              Error::Kind::kType);
+  if (a.weight.sizes[1] != h)
+    arg_error(kOp, "linear_weight must be (vocab, " + std::to_string(h) +
+                       ") for input's last dim " + std::to_string(h) + ", got shape " +
+                       a.weight.sizes.str());
+  if (v == 0) arg_error(kOp, "linear_weight must have at least one row (the vocabulary)");
+  if (a.bias.defined) {
+    if (a.bias.dtype != a.input.dtype)
+      arg_error(kOp, std::string("linear_bias must have input's dtype ") +
+                         dtype_name(a.input.dtype) + ", got " + dtype_name(a.bias.dtype),
+                Error::Kind::kType);
+    if (a.bias.sizes.size != 1 || a.bias.sizes[0] != v)
+      arg_error(kOp, "linear_bias must be (" + std::to_string(v) + ",), got shape " +
+                         a.bias.sizes.str());
+  }
+  if (a.target_rows != n)
+    arg_error(kOp, "target must have one value per input row (" + std::to_string(n) +
+                       "), got " + std::to_string(a.target_rows));
+  if (!(a.label_smoothing >= 0 && a.label_smoothing <= 1))
+    arg_error(kOp, "label_smoothing must be in [0, 1], got " + format_number(a.label_smoothing));
+  if (!(a.softcap >= 0) || !std::isfinite(a.softcap))
+    arg_error(kOp, "softcap must be None or a positive finite number, got " +
+                       format_number(a.softcap));
+  if (!(a.z_loss >= 0) || !std::isfinite(a.z_loss))
+    arg_error(kOp, "z_loss must be a finite number >= 0, got " + format_number(a.z_loss));
+  if (computes_grads(a) && a.grad_scale_rows != 1 && a.grad_scale_rows != n)
+    arg_error(kOp, "grad_scale must have 1 or " + std::to_string(n) + " values, got " +
+                       std::to_string(a.grad_scale_rows));
+  const int64_t chunk = std::min(n, std::max(kMinChunkRows, (n * h + v - 1) / v));
+  return {n, h, v, std::max<int64_t>(chunk, 1)};
+}
+
+size_t linear_cross_entropy_workspace_size(const LinearCrossEntropy& a,
+                                           LinearCrossEntropySizes s) {
+  const size_t logits = size_t(s.chunk_rows) * s.vocab * dtype_size(a.input.dtype);
+  const size_t dbias = a.bias.defined && computes_grads(a)
+                           ? size_t(s.vocab) * dtype_size(loss_dtype(a.input.dtype))
+                           : 0;
+  return (logits + 255) / 256 * 256 + dbias;
+}
+
+void linear_cross_entropy(const LinearCrossEntropy& a, LinearCrossEntropySizes s,
+                          const Exec& exec, const FrameworkGemm& gemm) {
+  const DType dt = a.input.dtype;
+  const size_t elem = dtype_size(dt);
+  char* logits = static_cast<char*>(a.workspace);
+  void* dbias_acc = nullptr;
+  const bool grads = computes_grads(a), dbias = grads && a.bias.defined;
+  if (dbias) {
+    const size_t offset = (size_t(s.chunk_rows) * s.vocab * elem + 255) / 256 * 256;
+    dbias_acc = logits + offset;
+    const size_t bytes = size_t(s.vocab) * dtype_size(loss_dtype(dt));
+    FUSEDLAYERS_ON_DEVICE(exec, (std::fill_n(static_cast<char*>(dbias_acc), bytes, 0), 0),
+                          (zero_bytes_cuda(dbias_acc, bytes, exec.stream), 0));
+  }
+  if (grads && s.rows == 0) {  // no chunk writes dW: it is zero
+    const size_t bytes = size_t(s.vocab) * s.hidden * elem;
+    FUSEDLAYERS_ON_DEVICE(exec, (std::fill_n(static_cast<char*>(a.dweight), bytes, 0), 0),
+                          (zero_bytes_cuda(a.dweight, bytes, exec.stream), 0));
+  }
+  const char* input = static_cast<const char*>(a.input.data);
+  for (int64_t row0 = 0; row0 < s.rows; row0 += s.chunk_rows) {
+    const int64_t rows = std::min(s.chunk_rows, s.rows - row0);
+    const Matrix x{input + size_t(row0) * s.hidden * elem, rows, s.hidden, false};
+    gemm(x, Matrix{a.weight.data, s.hidden, s.vocab, true}, logits, dt, false);
+    const LinearCrossEntropyChunk c{logits, data_if(a.bias), a.target, row0, rows, s.vocab, dt,
+                                    a.ignore_index, a.label_smoothing, a.softcap, a.z_loss,
+                                    a.grad_scale, a.grad_scale_rows > 1, a.loss, dbias_acc};
+    FUSEDLAYERS_ON_DEVICE(exec, (linear_cross_entropy_chunk_cpu(c, exec.parallel_for), 0),
+                          (linear_cross_entropy_chunk_cuda(c, exec.stream), 0));
+    if (!grads) continue;
+    const Matrix du{logits, rows, s.vocab, false};
+    gemm(du, Matrix{a.weight.data, s.vocab, s.hidden, false},
+         static_cast<char*>(a.dinput) + size_t(row0) * s.hidden * elem, dt, false);
+    gemm(Matrix{logits, s.vocab, rows, true}, x, a.dweight, dt, row0 > 0);
+  }
+  if (dbias)
+    FUSEDLAYERS_ON_DEVICE(exec, (linear_cross_entropy_dbias_cpu(dbias_acc, a.dbias, s.vocab, dt), 0),
+                          (linear_cross_entropy_dbias_cuda(dbias_acc, a.dbias, s.vocab, dt,
+                                                           exec.stream), 0));
+}
+
+}  // namespace fusedlayers

@@ -1,0 +1,171 @@
+"""Linear + cross-entropy on torch tensors without the logits: `fusedlayers::linear_cross_entropy`
+(a custom op: under torch.compile it stays one op, never decomposed into the logits it exists to
+avoid) on the pass `fusedlayers::linear_cross_entropy_pass` (backends/torch/
+linear_cross_entropy.cpp), its autograd and fake kernel, and the unfused reference. The math and
+the chunking: csrc/linear_cross_entropy.h."""
+
+import torch
+import torch.nn.functional as F
+
+from . import _op
+
+__all__ = ["linear_cross_entropy"]
+
+_pass = _op.handle("linear_cross_entropy_pass")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
+                         *, linear_bias: torch.Tensor | None = None, reduction: str = "mean",
+                         ignore_index: int = -100, label_smoothing: float = 0.0,
+                         softcap: float | None = None, z_loss: float = 0.0,
+                         num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """cross_entropy(softcap(input @ linear_weight^T + linear_bias), target) without the
+    (..., V) logits: the arguments and result of PyTorch's `F.linear_cross_entropy` where they
+    share them, plus Gemma 2's `softcap` (`softcap * tanh(z / softcap)` on the logits) and PaLM's
+    `z_loss` (`z_loss * logsumexp(z)^2` added to each non-ignored token's loss).
+
+    input (..., H), linear_weight (V, H) and linear_bias (V,) of one dtype (float32/float64/
+    float16/bfloat16), target integer (...) of class indices in [0, V) or ignore_index.
+    reduction: 'mean' (over the non-ignored targets, or over `num_items_in_batch` when given: the
+    count of a whole accumulated batch, as Hugging Face's Trainer passes it), 'sum' or 'none'
+    (the loss of each target, 0 where ignored). Logsumexp, max and sums in float32 (float64 for
+    float64); the logits chunk and the gradients in input's dtype; returns input's dtype.
+    Memory: the gradients of input, weight and bias plus one chunk of logits (rows x V), never
+    N x V. With reduction 'mean' or 'sum' and an argument requiring grad, the gradients are
+    computed during the forward and scaled in the backward (three GEMMs in all); with 'none'
+    the backward recomputes the logits (four).
+
+    Raises ValueError for a bad reduction, shapes, label_smoothing outside [0, 1], a negative or
+    infinite softcap or z_loss, num_items_in_batch without reduction 'mean', or (on the CPU) a
+    target outside [0, V) other than ignore_index (on CUDA its loss is NaN); TypeError for dtypes.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"fusedlayers.linear_cross_entropy: reduction must be one of "
+                         f"{', '.join(_REDUCTIONS)}, got {reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(f"fusedlayers.linear_cross_entropy: num_items_in_batch divides the "
+                         f"'mean' reduction's sum; got it with reduction {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fusedlayers.linear_cross_entropy: softcap must be None or a positive "
+                         f"finite number, got {softcap!r}")
+    if input.dim() == 0:
+        raise ValueError("fusedlayers.linear_cross_entropy: input must be (..., H), got a 0-d "
+                         "tensor")
+    if target.shape != input.shape[:-1]:
+        raise ValueError(f"fusedlayers.linear_cross_entropy: target must have input's leading "
+                         f"shape {list(input.shape[:-1])}, got {list(target.shape)}")
+    items = num_items_in_batch
+    if items is not None and not isinstance(items, torch.Tensor):
+        items = torch.tensor(float(items))
+    loss = _linear_cross_entropy(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias,
+                                 target.reshape(-1), items, reduction, ignore_index,
+                                 float(label_smoothing), float(softcap or 0.0), float(z_loss))
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _loss_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _scale(target, items, reduction, ignore_index, like):
+    """The factor of the reduction: 1 for 'sum', 1 / count for 'mean' (a 1-element tensor)."""
+    if reduction == "sum":
+        return torch.ones(1, dtype=_loss_dtype(like), device=like.device)
+    count = (target != ignore_index).sum() if items is None else items.to(like.device)
+    return (1.0 / count.to(_loss_dtype(like))).reshape(1)
+
+
+@torch.library.custom_op("fusedlayers::linear_cross_entropy", mutates_args=())
+def _op_forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                target: torch.Tensor, items: torch.Tensor | None, reduction: str,
+                ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
+                grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dinput, dweight, dbias): the gradients of the reduced loss (empty unless grads)."""
+    scale = _scale(target, items, reduction, ignore_index, input)
+    rows, dx, dw, db = _pass(input, weight, bias, target, scale if grads else None, ignore_index,
+                             label_smoothing, softcap, z_loss)
+    loss = rows if reduction == "none" else rows.sum() * scale[0]
+    return loss.to(input.dtype), dx, dw, db
+
+
+@_op_forward.register_fake
+def _(input, weight, bias, target, items, reduction, ignore_index, label_smoothing, softcap,
+      z_loss, grads):
+    n = input.shape[0]
+    loss = input.new_empty((n,) if reduction == "none" else ())
+    if not grads:
+        return loss, input.new_empty(0), input.new_empty(0), input.new_empty(0)
+    return (loss, torch.empty_like(input), torch.empty_like(weight),
+            torch.empty_like(bias) if bias is not None else input.new_empty(0))
+
+
+@_op.register_fake("linear_cross_entropy_pass")
+def _(input, weight, bias, target, grad_scale, ignore_index, label_smoothing, softcap, z_loss):
+    _op.check_devices("linear_cross_entropy", "input", input, linear_weight=weight,
+                      linear_bias=bias, target=target, grad_scale=grad_scale)
+    loss = input.new_empty(input.shape[:1], dtype=_loss_dtype(input))
+    if grad_scale is None:
+        return loss, input.new_empty(0), input.new_empty(0), input.new_empty(0)
+    return (loss, torch.empty_like(input), torch.empty_like(weight),
+            torch.empty_like(bias) if bias is not None else input.new_empty(0))
+
+
+def _linear_cross_entropy(input, weight, bias, target, items, reduction, ignore_index,
+                          label_smoothing, softcap, z_loss):
+    # Gradients in the forward where the loss is a scalar: its grad only scales them.
+    grads = reduction != "none" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, weight, bias))
+    return _op_forward(input, weight, bias, target, items, reduction, ignore_index,
+                       label_smoothing, softcap, z_loss, grads)[0]
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, bias, target, items, reduction, ignore_index, *options, grads = inputs
+    ctx.reduction, ctx.has_bias, ctx.grads = reduction, bias is not None, grads
+    ctx.args = (ignore_index, *options)
+    if grads:
+        ctx.save_for_backward(*output[1:])
+    else:
+        ctx.save_for_backward(input, weight, bias, target, items)
+
+
+def _backward(ctx, dloss, *_):
+    none = (None,) * 8  # target, items and the options
+    if ctx.grads:  # computed in the forward for a scale of 1: times the loss's gradient
+        dx, dw, db = ctx.saved_tensors
+        g = dloss.to(dx.dtype)
+        return (dx * g, dw * g, db * g if ctx.has_bias else None, *none)
+    # the backward recomputes the logits, each row's gradient scaled by its share of dloss
+    input, weight, bias, target, items = ctx.saved_tensors
+    scale = dloss.reshape(-1).to(_loss_dtype(input))
+    if ctx.reduction != "none":
+        scale = scale * _scale(target, items, ctx.reduction, ctx.args[0], input)
+    _, dx, dw, db = _pass(input, weight, bias, target, scale, *ctx.args)
+    return (dx, dw, db if ctx.has_bias else None, *none)
+
+
+_op_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def reference(input, linear_weight, target, *, linear_bias=None, reduction="mean",
+              ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0,
+              num_items_in_batch=None):
+    """The unfused computation linear_cross_entropy replaces: the logits in full, then
+    F.cross_entropy (in the logits' dtype, as PyTorch computes it; pass float64 tensors for the
+    exact loss)."""
+    z = F.linear(input, linear_weight, linear_bias)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z.reshape(-1, z.shape[-1])
+    t = target.reshape(-1)
+    rows = F.cross_entropy(z, t, reduction="none", ignore_index=ignore_index,
+                           label_smoothing=label_smoothing)
+    if z_loss:
+        rows = rows + z_loss * torch.logsumexp(z, -1) ** 2 * (t != ignore_index)
+    if reduction == "none":
+        return rows.reshape(target.shape)
+    if reduction == "sum":
+        return rows.sum()
+    count = (t != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
+    return rows.sum() / count

@@ -1,0 +1,192 @@
+"""fusedlayers.torch.linear_cross_entropy against the float64 unfused reference (F.linear then
+F.cross_entropy) for every reduction, ignore_index, label_smoothing, softcap and z_loss, forward
+and gradients, over several row chunks; gradcheck and opcheck; num_items_in_batch; half
+precision; torch.compile keeping it one op; errors; and the CPU's peak memory staying far below
+one N x V float32 buffer."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _helpers import DEVICES, rel_err
+from fusedlayers.torch import linear_cross_entropy
+from fusedlayers.torch.linear_cross_entropy import reference
+
+OPTIONS = [dict(), dict(label_smoothing=0.1), dict(softcap=3.0), dict(z_loss=1e-3),
+           dict(label_smoothing=0.2, softcap=2.0, z_loss=1e-2, ignore_index=5)]
+
+
+def _problem(n, h, v, dtype, device, bias, ignore_index=-100, seed=0, noncontiguous=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    if noncontiguous:
+        x = torch.randn(h, n, generator=g, dtype=torch.float64).t()
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) / h ** 0.5 * 3
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.2] = ignore_index
+    cast = (lambda a: None if a is None else a.to(device, dtype).requires_grad_())
+    return cast(x), cast(w), cast(b), t.to(device)
+
+
+def _grads(loss, tensors, dy):
+    return torch.autograd.grad(loss, [a for a in tensors if a is not None], dy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64_reference(device, reduction, options, bias):
+    # 2500 rows: three chunks of rows; float32 against float64's exact loss and gradients
+    n, h, v = 2500, 19, 53
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    x, w, b, t = _problem(n, h, v, dtype, device, bias, options.get("ignore_index", -100))
+    loss = linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction, **options)
+    x64, w64, b64 = (None if a is None else a.detach().double().requires_grad_()
+                     for a in (x, w, b))
+    want = reference(x64, w64, t, linear_bias=b64, reduction=reduction, **options)
+    assert loss.dtype == dtype and loss.shape == want.shape
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert rel_err(loss.double(), want) <= tol
+    dy = torch.rand_like(want) + 0.5
+    got = _grads(loss, (x, w, b), dy.to(dtype))
+    ref = _grads(want, (x64, w64, b64), dy)
+    for a, r in zip(got, ref):
+        assert rel_err(a.double(), r) <= tol * 10
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradcheck(reduction):
+    x, w, b, t = _problem(9, 5, 11, torch.float64, "cpu", True)
+    fn = lambda x, w, b: linear_cross_entropy(  # noqa: E731
+        x, w, t, linear_bias=b, reduction=reduction, label_smoothing=0.1, softcap=2.5,
+        z_loss=1e-2)
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+    assert torch.autograd.gradgradcheck is not None  # (no double backward: first order only)
+
+
+def test_opcheck():
+    x, w, b, t = _problem(9, 5, 11, torch.float32, "cpu", True)
+    for grads in (False, True):
+        torch.library.opcheck(torch.ops.fusedlayers.linear_cross_entropy.default,
+                              (x, w, b, t, None, "mean", -100, 0.1, 0.0, 1e-3, grads))
+
+
+def test_num_items_in_batch_divides_the_sum():
+    x, w, b, t = _problem(40, 7, 13, torch.float64, "cpu", False)
+    loss = linear_cross_entropy(x, w, t, num_items_in_batch=100)
+    want = reference(x, w, t, reduction="sum") / 100
+    assert rel_err(loss, want) <= 1e-12
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    wx, ww = torch.autograd.grad(want, (x, w))
+    assert rel_err(gx, wx) <= 1e-12 and rel_err(gw, ww) <= 1e-12
+
+
+def test_non_contiguous_input_and_leading_dims():
+    x, w, _, t = _problem(30, 8, 17, torch.float64, "cpu", False, noncontiguous=True)
+    x3, t3 = x.reshape(5, 6, 8), t.reshape(5, 6)
+    loss = linear_cross_entropy(x3, w, t3, reduction="none")
+    assert loss.shape == (5, 6)
+    assert rel_err(loss, reference(x3, w, t3, reduction="none")) <= 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(device, dtype):
+    x, w, b, t = _problem(300, 32, 1000, dtype, device, True)
+    loss = linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1)
+    x64, w64, b64 = (a.detach().double().requires_grad_() for a in (x, w, b))
+    want = reference(x64, w64, t, linear_bias=b64, label_smoothing=0.1)
+    assert loss.dtype == dtype
+    # the logits are rounded to dtype by its GEMM, as the unfused layer's are
+    assert rel_err(loss.double(), want) <= 1e-2
+    for a, r in zip(torch.autograd.grad(loss, (x, w, b)), torch.autograd.grad(want, (x64, w64, b64))):
+        assert rel_err(a.double(), r) <= 3e-2
+
+
+def test_no_grad_forward_and_all_ignored_rows():
+    x, w, _, t = _problem(20, 6, 9, torch.float64, "cpu", False)
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, t, reduction="sum")
+    assert rel_err(loss, reference(x, w, t, reduction="sum")) <= 1e-12
+    ignored = torch.full_like(t, -100)
+    rows = linear_cross_entropy(x, w, ignored, reduction="none")
+    assert torch.equal(rows, torch.zeros_like(rows))
+    gx, = torch.autograd.grad(rows.sum(), x)
+    assert torch.equal(gx, torch.zeros_like(gx))
+
+
+def test_compiled_stays_one_op_with_ignored_labels():
+    x, w, b, t = _problem(64, 16, 37, torch.float32, "cpu", True)
+    fn = lambda x, w, b, t: linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    loss = compiled(x, w, b, t)
+    assert rel_err(loss, fn(x, w, b, t)) <= 1e-6
+    [graph] = graphs
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert any("fusedlayers.linear_cross_entropy" in s for s in targets), targets
+    assert not any("linear" == s.split(".")[-1] or "mm" in s for s in targets), targets
+    got = torch.autograd.grad(loss, (x, w, b))
+    want = torch.autograd.grad(fn(x, w, b, t), (x, w, b))
+    assert all(rel_err(a, r) <= 1e-6 for a, r in zip(got, want))
+    inductor = torch.compile(fn, fullgraph=True)
+    assert rel_err(inductor(x, w, b, t), fn(x, w, b, t)) <= 1e-6
+
+
+def test_errors():
+    x, w, b, t = _problem(6, 4, 7, torch.float32, "cpu", True)
+    with pytest.raises(ValueError, match="reduction must be one of mean, sum, none, got 'avg'"):
+        linear_cross_entropy(x, w, t, reduction="avg")
+    with pytest.raises(ValueError, match=r"target must have input's leading shape \[6\]"):
+        linear_cross_entropy(x, w, t[:5])
+    with pytest.raises(ValueError, match="label_smoothing must be in \\[0, 1\\], got 1.5"):
+        linear_cross_entropy(x, w, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap must be None or a positive"):
+        linear_cross_entropy(x, w, t, softcap=-1.0)
+    with pytest.raises(ValueError, match="z_loss must be a finite number >= 0, got -1"):
+        linear_cross_entropy(x, w, t, z_loss=-1.0)
+    with pytest.raises(ValueError, match="num_items_in_batch divides the 'mean'"):
+        linear_cross_entropy(x, w, t, reduction="sum", num_items_in_batch=3)
+    with pytest.raises(ValueError, match=r"linear_weight must be \(vocab, 4\)"):
+        linear_cross_entropy(x, w[:, :3], t)
+    with pytest.raises(ValueError, match=r"linear_bias must be \(7,\)"):
+        linear_cross_entropy(x, w, t, linear_bias=b[:3])
+    with pytest.raises(TypeError, match="linear_weight must have input's dtype float32"):
+        linear_cross_entropy(x, w.double(), t)
+    with pytest.raises(TypeError, match="target must be an integer tensor"):
+        linear_cross_entropy(x, w, t.float())
+    bad = t.clone()
+    bad[2] = 7
+    with pytest.raises(ValueError, match=r"target must be in \[0, 7\) or ignore_index, got 7"):
+        linear_cross_entropy(x.detach(), w.detach(), bad)
+
+
+MEMORY_SCRIPT = """
+import resource, torch
+from fusedlayers.torch import linear_cross_entropy
+torch.manual_seed(0)
+n, h, v = 8192, 16, 16384
+x = torch.randn(n, h, requires_grad=True)
+w = torch.randn(v, h, requires_grad=True)
+t = torch.randint(0, v, (n,))
+linear_cross_entropy(x[:8], w, t[:8]).backward()  # load the library, warm the allocator
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+linear_cross_entropy(x, w, t).backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_cpu_peak_memory_stays_far_below_the_logits():
+    grown = int(subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True,
+                               text=True, check=True).stdout.split()[-1])
+    logits = 8192 * 16384 * 4  # one N x V float32 buffer: 512 MiB
+    # one chunk of 1024 rows (64 MiB) and dW (1 MiB) are what the op adds
+    assert grown < logits / 4, f"peak RSS grew by {grown / 2**20:.0f} MiB"
