@@ -10,8 +10,9 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def save_loss_plot(path: str, unfused: list, fused: list, labels: tuple[str, str], title: str,
-                   ylabel: str, loss_rtol: float) -> None:
-    """Writes the PNG at `path`: per-epoch `unfused` and `fused` losses (labels for the legend)."""
+                   ylabel: str, loss_rtol: float, xlabel: str = "epoch") -> None:
+    """Writes the PNG at `path`: per-epoch (or per-interval: xlabel) `unfused` and `fused`
+    losses (labels for the legend)."""
     epochs = list(range(1, len(unfused) + 1))
     rel = [abs(u - f) / u for u, f in zip(unfused, fused)]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
@@ -29,7 +30,7 @@ def save_loss_plot(path: str, unfused: list, fused: list, labels: tuple[str, str
                     transform=bottom.get_xaxis_transform(), label="exactly equal")
     bottom.axhline(loss_rtol, color="black", linestyle=":", label=f"tolerance {loss_rtol:.0e}")
     nonzero = [r for r in rel if r > 0]
-    bottom.set(xlabel="epoch", ylabel="|loss difference| / loss", yscale="log",
+    bottom.set(xlabel=xlabel, ylabel="|loss difference| / loss", yscale="log",
                ylim=(min(nonzero + [loss_rtol]) / 10, loss_rtol * 10))
     bottom.legend()
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs

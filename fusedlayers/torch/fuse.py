@@ -19,7 +19,9 @@ What is recognised is structure, not class names:
   `self.<gelu>(self.<linear>(...))`, each of the two children named nowhere else in the forward,
   is such a pair (the linear layer's output is a temporary that only the GELU sees);
 - a ReLU (a stateless module whose output is exactly relu's) becomes `FusedReLUScale(1.0)`,
-  which saves 1 bit per element for the backward instead of the output.
+  which saves 1 bit per element for the backward instead of the output;
+- Hugging Face attention calling `apply_rotary_pos_emb` (fusedlayers.torch.rope), and a Hugging
+  Face causal LM's head and loss in training (fusedlayers.torch.causal_lm), per instance.
 
 Every swap is checked on a probe input against the layers it replaces before it is made; one
 that does not match is not made and is reported. Probing forks the RNG, so the model's random
@@ -42,6 +44,7 @@ from .. import ops
 from ..fuse_report import FuseReport, class_name
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
+from .causal_lm import fuse_causal_lm
 from .rope import fuse_attention
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
@@ -60,19 +63,20 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
     existing Parameters. Works on train() and eval() models, on any device and dtype the fused
     ops support.
 
-    enabled: one keyword per op of fusedlayers.ops (layer_norm=False leaves the LayerNorms, ...);
-    every op is fused by default. Returns `model`; its `fusedlayers_report` attribute lists what
+    enabled: one keyword per op of fusedlayers.ops (layer_norm=False leaves the LayerNorms, ...)
+    and linear_cross_entropy (a causal LM's head and loss); every op is fused by default. Returns `model`; its `fusedlayers_report` attribute lists what
     was swapped and what was left, and why (printed when verbose). Raises TypeError if model is
     not an nn.Module or a keyword names no op.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusedlayers.torch.fuse: model must be a torch.nn.Module, got "
                         f"{type(model).__module__}.{type(model).__qualname__}")
-    unknown = set(enabled) - set(ops.NAMES)
+    names = (*ops.NAMES, "linear_cross_entropy")  # the last one torch-only, outside the table
+    unknown = set(enabled) - set(names)
     if unknown:
         raise TypeError(f"fusedlayers.torch.fuse: unexpected keyword(s) {sorted(unknown)}; the "
-                        f"ops are {', '.join(ops.NAMES)}")
-    wanted = {name: bool(enabled.get(name, True)) for name in ops.NAMES}
+                        f"ops are {', '.join(names)}")
+    wanted = {name: bool(enabled.get(name, True)) for name in names}
     report = FuseReport()
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -84,6 +88,8 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
             _fuse_traced(model, report, wanted["linear_gelu"], wanted["relu_scale"])
         if wanted["rope"]:
             _fuse_rope(model, report)
+        if wanted["linear_cross_entropy"]:
+            _fuse_causal_lm(model, report)
     model.fusedlayers_report = report
     if verbose:
         print(report)
@@ -102,6 +108,21 @@ def _fuse_rope(model: nn.Module, report: FuseReport) -> None:
                                    "apply_rotary_pos_emb; `del module.forward` undoes it)"))
         elif why is not None:
             report.left.append((path, _describe(module), f"RoPE: {why}"))
+
+
+def _fuse_causal_lm(model: nn.Module, report: FuseReport) -> None:
+    """Each Hugging Face causal LM: its LM head and loss as one linear_cross_entropy in training
+    with labels (fusedlayers.torch.causal_lm), per instance, reported."""
+    for path, module in model.named_modules():
+        fused, why = fuse_causal_lm(module)
+        if fused:
+            report.swapped.append((_join(path, "lm_head"), _describe(module.lm_head),
+                                   "fusedlayers.torch.linear_cross_entropy with the model's loss "
+                                   "in training with labels; no logits returned then "
+                                   "(`del model.forward; del model.lm_head.forward` undoes it)"))
+        elif why is not None:
+            report.left.append((_join(path, "lm_head"), _describe(module.lm_head),
+                                f"linear_cross_entropy: {why}"))
 
 
 # ---------------------------------------------------------------- probes

@@ -111,8 +111,6 @@ def fuse_attention(module: torch.nn.Module):
     this instance only (the modeling module and other instances are untouched; `del
     module.forward` undoes it). Returns (forward, None), or (None, why not) where the forward
     does not have that form or the modeling module's function does not match ours on a probe."""
-    if "forward" in module.__dict__:
-        return None, "its forward is already an instance attribute"
     chain = [type(module).forward]
     while hasattr(chain[-1], "__wrapped__"):
         chain.append(chain[-1].__wrapped__)
@@ -120,6 +118,8 @@ def fuse_attention(module: torch.nn.Module):
     if not isinstance(inner, types.FunctionType) or \
             "apply_rotary_pos_emb" not in inner.__code__.co_names:
         return None, None  # not a RoPE attention: nothing to report
+    if "forward" in module.__dict__:
+        return None, "its forward is already an instance attribute"
     original = inner.__globals__.get("apply_rotary_pos_emb")
     if not callable(original):
         return None, "apply_rotary_pos_emb is not a function of its modeling module"

@@ -1,0 +1,179 @@
+"""Train a small Hugging Face Llama language model on real text twice, as built and after one
+call of `fusedlayers.torch.fuse`, and check that both runs learn the same thing.
+
+    python examples/train_hf_llama.py                   # CPU, well under a minute
+    python examples/train_hf_llama.py --device cuda     # on a CUDA machine
+    python examples/train_hf_llama.py --help            # steps, batch size, seed, plot
+
+The text is the Python standard library's own source files (every machine with Python has them;
+nobody here wrote them), read as bytes: a byte-level vocabulary of 256, the first 90% of the
+bytes for training, the rest held out. The model is transformers' LlamaForCausalLM built from a
+config (no download): width 128, 2 layers, 4 query and 2 key/value heads, a 352-wide SwiGLU MLP,
+rotary embeddings, sequences of 128 bytes. `fuse(model)` swaps its RMSNorms, its gated MLPs and,
+per attention instance, its RoPE, and in training with labels runs its LM head and loss as one
+linear_cross_entropy that never makes the logits; it prints what it swapped. The unfused model
+is a deep copy taken before, so both start from the same weights; they take the same batches,
+one step each in turn (background load affects both alike), with AdamW.
+
+Printed: the train loss every --log-every steps for both runs, the held-out loss (bits per byte)
+at the end, ms per step (median), peak memory per step on CUDA, and a PNG of the loss curves
+(--plot). The exit status is 1 if fuse() left any of those layers, if the first logged losses
+differ by more than FIRST_RTOL relative (the same function: float32 rounding apart), the curves
+by more than LOSS_RTOL (rounding grows through training, as in train_hf_vit.py), or if either
+held-out loss stays above MAX_HELD_OUT (the untrained model's is ln 256 = 5.55 nats per byte).
+"""
+
+import argparse
+import copy
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+import fusedlayers
+from fusedlayers.torch import fuse
+from loss_plot import save_loss_plot
+
+FIRST_RTOL = 1e-4
+LOSS_RTOL = 5e-2
+MAX_HELD_OUT = 2.5  # nats per byte
+SEQ = 128
+
+
+def corpus(max_bytes: int) -> bytes:
+    """The standard library's .py files, in sorted order, up to max_bytes."""
+    root = os.path.dirname(os.__file__)
+    out, total = [], 0
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py") and total < max_bytes:
+            with open(os.path.join(root, name), "rb") as f:
+                data = f.read()
+            out.append(data)
+            total += len(data)
+    return b"".join(out)[:max_bytes]
+
+
+def model(device: torch.device) -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=352, max_position_embeddings=SEQ,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config).to(device)
+
+
+class Run:
+    def __init__(self, name: str, lm, lr: float):
+        self.name, self.lm = name, lm
+        self.opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.01)
+        self.losses, self.step_ms, self.peak_mb = [], [], []
+
+    def step(self, batch: torch.Tensor) -> None:
+        cuda = batch.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        self.lm.train()
+        loss = self.lm(input_ids=batch, labels=batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        value = loss.item()  # waits for the device
+        self.step_ms.append(1e3 * (time.perf_counter() - start))
+        if cuda:
+            self.peak_mb.append(torch.cuda.max_memory_allocated() / 2**20)
+        self.losses.append(value)
+
+    @torch.no_grad()
+    def held_out(self, data: torch.Tensor, batch_size: int) -> float:
+        self.lm.eval()
+        losses = [self.lm(input_ids=b, labels=b).loss.item()
+                  for b in data.split(batch_size)]
+        return sum(losses) / len(losses)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--plot", default="train_hf_llama_loss.png", help="loss-curve PNG path")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch sees no CUDA device")
+    transformers.logging.set_verbosity_error()
+
+    text = corpus(args.steps * args.batch_size * SEQ * 10 // 9 + 64 * SEQ)
+    ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    sequences = ids[:len(ids) // SEQ * SEQ].view(-1, SEQ)
+    split = len(sequences) * 9 // 10
+    train, held = sequences[:split].to(device), sequences[split:].to(device)
+    print(fusedlayers.loaded("torch"))
+    print(f"standard library source: {len(text) / 1e6:.2f} MB, {len(train)} train / {len(held)} "
+          f"held-out sequences of {SEQ} bytes, device {device}, seed {args.seed}")
+
+    torch.manual_seed(args.seed)
+    unfused_lm = model(device)
+    fused_lm = fuse(copy.deepcopy(unfused_lm))
+    print(fused_lm.fusedlayers_report, end="\n\n")
+    swapped = " ".join(what for _, _, what in fused_lm.fusedlayers_report.swapped)
+    failures = [f"fuse() did not swap {op}" for op in ("RMSNorm", "SwiGLUMLP", "rope",
+                                                       "linear_cross_entropy")
+                if op not in swapped]
+    runs = [Run("unfused", unfused_lm, args.lr), Run("fused", fused_lm, args.lr)]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
+    print(f"{'step':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10}")
+    logged = ([], [])
+    for step in range(args.steps):
+        rows = order[(step * args.batch_size + torch.arange(args.batch_size)) % len(train)]
+        for run in runs:
+            run.step(train[rows])
+        if (step + 1) % args.log_every == 0:
+            u, f = (statistics.mean(run.losses[-args.log_every:]) for run in runs)
+            logged[0].append(u)
+            logged[1].append(f)
+            print(f"{step + 1:>5} {u:>13.6f} {f:>13.6f} {abs(u - f):>10.2e}")
+
+    held_out = [run.held_out(held, args.batch_size) for run in runs]
+    ms = [statistics.median(run.step_ms[len(run.step_ms) // 5:]) for run in runs]
+    rels = [abs(u - f) / u for u, f in zip(*logged)]
+    print(f"\n{'':<26}{'unfused':>10}{'fused':>10}")
+    print(f"{'held-out loss (nats/byte)':<26}{held_out[0]:>10.4f}{held_out[1]:>10.4f}")
+    print(f"{'held-out bits per byte':<26}{held_out[0] / math.log(2):>10.4f}"
+          f"{held_out[1] / math.log(2):>10.4f}")
+    print(f"{'ms / step (median)':<26}{ms[0]:>10.2f}{ms[1]:>10.2f}")
+    print(f"{'speedup (fused)':<26}{ms[0] / ms[1]:>19.2f}x")
+    if device.type == "cuda":
+        peak = [max(run.peak_mb) for run in runs]
+        print(f"{'peak MB per step':<26}{peak[0]:>10.1f}{peak[1]:>10.1f}")
+    print(f"{'first logged rel. diff':<26}{rels[0]:>19.2e}   (tolerance {FIRST_RTOL:.0e})")
+    print(f"{'max relative loss diff':<26}{max(rels):>19.2e}   (tolerance {LOSS_RTOL:.0e})")
+    save_loss_plot(args.plot, *logged, ("unfused (transformers)", "fused (fusedlayers.fuse)"),
+                   f"LlamaForCausalLM on stdlib bytes ({device.type}): as built vs fuse()",
+                   "train loss (nats per byte)", LOSS_RTOL,
+                   xlabel=f"steps (x {args.log_every})")
+    print(f"loss curves saved to {args.plot}")
+
+    if rels[0] > FIRST_RTOL:
+        failures.append(f"first logged losses differ by {rels[0]:.2e} relative > {FIRST_RTOL}")
+    if max(rels) > LOSS_RTOL:
+        failures.append(f"loss curves differ by {max(rels):.2e} relative > {LOSS_RTOL}")
+    failures += [f"{run.name} held-out loss {h:.3f} > {MAX_HELD_OUT}"
+                 for run, h in zip(runs, held_out) if h > MAX_HELD_OUT]
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    if not failures:
+        print("OK: both runs learn the text and their loss curves agree")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
