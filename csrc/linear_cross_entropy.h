@@ -58,13 +58,16 @@ void linear_cross_entropy(const LinearCrossEntropy& a, LinearCrossEntropySizes s
                           const Exec& exec, const FrameworkGemm& gemm);
 
 // One chunk's row pass (rows of logits, vocab wide, in dtype): writes loss (the rows' own
-// slots) and, when grad_scale is set, du over logits; dbias_acc (vocab values of the loss
-// dtype) gets the column sums of du added when not null. row0: the chunk's first row in the
-// batch (indexes target, loss and a per-row grad_scale).
+// slots) and, when grad_scale is set, du (which may be logits itself: each element is read
+// before it is written); dbias_acc (vocab values of the loss dtype) gets the column sums of du
+// added when not null. row0: the chunk's first row in the batch (indexes target, loss and a
+// per-row grad_scale). target: int64 values, or int32 where target_int32 (JAX's default).
 struct LinearCrossEntropyChunk {
-  void* logits;
+  const void* logits;
+  void* du;
   const void* bias;
-  const int64_t* target;
+  const void* target;
+  bool target_int32;
   int64_t row0, rows, vocab;
   DType dtype;
   int64_t ignore_index;
@@ -74,6 +77,18 @@ struct LinearCrossEntropyChunk {
   void* loss;
   void* dbias_acc;
 };
+// The rows of a chunk for n rows of h features and a vocabulary of v (bindings whose framework
+// runs the chunk loop itself: XLA's dots, then linear_cross_entropy_chunk).
+int64_t linear_cross_entropy_chunk_rows(int64_t n, int64_t h, int64_t v);
+// The row pass of one chunk on exec's device (the loop's step between its GEMMs), its dbias_acc
+// zeroed first.
+void linear_cross_entropy_chunk(const LinearCrossEntropyChunk& c, const Exec& exec);
+// The check of one chunk as a binding hands it over: logits (rows, vocab) and du like it (when
+// grad_scale is set), bias (vocab,) in logits' dtype, grad_scale 1 or rows values; the
+// options' ranges as linear_cross_entropy_check.
+void linear_cross_entropy_chunk_check(const TensorRef& logits, const TensorRef& bias,
+                                      int64_t target_rows, int64_t grad_scale_rows,
+                                      double label_smoothing, double softcap, double z_loss);
 void linear_cross_entropy_chunk_cpu(const LinearCrossEntropyChunk& c,
                                     const ParallelFor& parallel_for);
 void linear_cross_entropy_chunk_cuda(const LinearCrossEntropyChunk& c, cudaStream_t stream);

@@ -24,13 +24,16 @@ void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
   const T* bias = static_cast<const T*>(c.bias);
   cpu::Row<A> z(static_cast<size_t>(v));
   for (int64_t r = begin; r < end; ++r) {
-    const int64_t row = c.row0 + r, t = c.target[row];
-    T* logits = static_cast<T*>(c.logits) + r * v;
+    const int64_t row = c.row0 + r;
+    const int64_t t = c.target_int32 ? static_cast<const int32_t*>(c.target)[row]
+                                     : static_cast<const int64_t*>(c.target)[row];
+    const T* logits = static_cast<const T*>(c.logits) + r * v;
+    T* du_row = static_cast<T*>(c.du) + r * v;
     A& loss = static_cast<A*>(c.loss)[row];
     if (t == c.ignore_index) {
       loss = 0;
       if (scale)
-        for (int64_t j = 0; j < v; ++j) logits[j] = from_acc<T>(A(0));
+        for (int64_t j = 0; j < v; ++j) du_row[j] = from_acc<T>(A(0));
       continue;
     }
     if (t < 0 || t >= v)
@@ -54,7 +57,7 @@ void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
     for (int64_t j = 0; j < v; ++j) {
       A du = pz * std::exp(z[j] - lse) - off - (j == t ? s * (1 - eps) : A(0));
       if (cap > 0) du *= 1 - (z[j] / cap) * (z[j] / cap);
-      logits[j] = from_acc<T>(du);
+      du_row[j] = from_acc<T>(du);
     }
   }
 }
@@ -69,7 +72,7 @@ void linear_cross_entropy_chunk_cpu(const LinearCrossEntropyChunk& c,
     parallel_for(c.rows, 1, [&](int64_t b, int64_t e) { chunk_rows<T, A>(c, b, e); });
     if (!c.dbias_acc || !c.grad_scale) return;
     A* acc = static_cast<A*>(c.dbias_acc);
-    const T* du = static_cast<const T*>(c.logits);
+    const T* du = static_cast<const T*>(c.du);
     parallel_for(c.vocab, 1024, [&](int64_t b, int64_t e) {
       for (int64_t r = 0; r < c.rows; ++r)
         for (int64_t j = b; j < e; ++j) acc[j] += to_acc(du[r * c.vocab + j]);

@@ -30,22 +30,25 @@ __device__ __forceinline__ void merge(A& m, A& se, A m2, A se2) {
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads) chunk_kernel(LinearCrossEntropyChunk c) {
   __shared__ A s_m[kThreads / 32], s_se[kThreads / 32], s_sum[kThreads / 32];
-  const int64_t r = blockIdx.x, row = c.row0 + r, t = c.target[row], v = c.vocab;
-  T* logits = static_cast<T*>(c.logits) + r * v;
+  const int64_t r = blockIdx.x, row = c.row0 + r, v = c.vocab;
+  const int64_t t = c.target_int32 ? static_cast<const int32_t*>(c.target)[row]
+                                   : static_cast<const int64_t*>(c.target)[row];
+  const T* logits = static_cast<const T*>(c.logits) + r * v;
+  T* du_row = static_cast<T*>(c.du) + r * v;
   const T* bias = static_cast<const T*>(c.bias);
   const A* scale = static_cast<const A*>(c.grad_scale);
   A* loss = static_cast<A*>(c.loss);
   if (t == c.ignore_index) {
     if (threadIdx.x == 0) loss[row] = 0;
     if (scale)
-      for (int64_t j = threadIdx.x; j < v; j += blockDim.x) logits[j] = from_acc<T>(A(0));
+      for (int64_t j = threadIdx.x; j < v; j += blockDim.x) du_row[j] = from_acc<T>(A(0));
     return;
   }
   const A cap = A(c.softcap), eps = A(c.label_smoothing), zl = A(c.z_loss);
   if (t < 0 || t >= v) {  // no exception from a kernel: the row's loss says it
     if (threadIdx.x == 0) loss[row] = NAN;
     if (scale)
-      for (int64_t j = threadIdx.x; j < v; j += blockDim.x) logits[j] = from_acc<T>(A(NAN));
+      for (int64_t j = threadIdx.x; j < v; j += blockDim.x) du_row[j] = from_acc<T>(A(NAN));
     return;
   }
   A m = -INFINITY, se = 0, sum = 0;
@@ -75,14 +78,14 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(LinearCrossEntropyChunk
   if (threadIdx.x == 0)
     loss[row] = (1 - eps) * (lse - zt) + eps * (lse - sum / A(v)) + zl * lse * lse;
   if (!scale) return;
-  __syncthreads();  // every thread has read logits[t] before it is overwritten
+  __syncthreads();  // every thread has read logits[t] before du (maybe logits) is written
   const A s = scale[c.per_row_scale ? row : 0], pz = s * (1 + 2 * zl * lse),
           off = s * eps / A(v);
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
     const A z = logit(to_acc(logits[j]) + (bias ? to_acc(bias[j]) : A(0)), cap);
     A du = pz * exp(z - lse) - off - (j == t ? s * (1 - eps) : A(0));
     if (cap > 0) du *= 1 - (z / cap) * (z / cap);
-    logits[j] = from_acc<T>(du);
+    du_row[j] = from_acc<T>(du);
   }
 }
 
@@ -117,7 +120,7 @@ void linear_cross_entropy_chunk_cuda(const LinearCrossEntropyChunk& c, cudaStrea
       cuda::check_launch("linear_cross_entropy chunk_kernel");
       if (c.dbias_acc && c.grad_scale) {
         dbias_sum_kernel<T, float><<<blocks_for(c.vocab, 256), 256, 0, stream>>>(
-            static_cast<const T*>(c.logits), static_cast<float*>(c.dbias_acc), c.rows, c.vocab);
+            static_cast<const T*>(c.du), static_cast<float*>(c.dbias_acc), c.rows, c.vocab);
         cuda::check_launch("linear_cross_entropy dbias_sum_kernel");
       }
     }

@@ -26,6 +26,21 @@ void check_2d(const char* name, const TensorRef& t) {
 
 bool computes_grads(const LinearCrossEntropy& a) { return a.grad_scale != nullptr; }
 
+void check_options(double label_smoothing, double softcap, double z_loss) {
+  if (!(label_smoothing >= 0 && label_smoothing <= 1))
+    arg_error(kOp, "label_smoothing must be in [0, 1], got " + format_number(label_smoothing));
+  if (!(softcap >= 0) || !std::isfinite(softcap))
+    arg_error(kOp, "softcap must be None or a positive finite number, got " +
+                       format_number(softcap));
+  if (!(z_loss >= 0) || !std::isfinite(z_loss))
+    arg_error(kOp, "z_loss must be a finite number >= 0, got " + format_number(z_loss));
+}
+
+void zero_bytes(void* p, size_t bytes, const Exec& exec) {
+  FUSEDLAYERS_ON_DEVICE(exec, (std::fill_n(static_cast<char*>(p), bytes, 0), 0),
+                        (zero_bytes_cuda(p, bytes, exec.stream), 0));
+}
+
 }  // namespace
 
 LinearCrossEntropySizes linear_cross_entropy_check(const LinearCrossEntropy& a) {
@@ -53,18 +68,41 @@ LinearCrossEntropySizes linear_cross_entropy_check(const LinearCrossEntropy& a) 
   if (a.target_rows != n)
     arg_error(kOp, "target must have one value per input row (" + std::to_string(n) +
                        "), got " + std::to_string(a.target_rows));
-  if (!(a.label_smoothing >= 0 && a.label_smoothing <= 1))
-    arg_error(kOp, "label_smoothing must be in [0, 1], got " + format_number(a.label_smoothing));
-  if (!(a.softcap >= 0) || !std::isfinite(a.softcap))
-    arg_error(kOp, "softcap must be None or a positive finite number, got " +
-                       format_number(a.softcap));
-  if (!(a.z_loss >= 0) || !std::isfinite(a.z_loss))
-    arg_error(kOp, "z_loss must be a finite number >= 0, got " + format_number(a.z_loss));
+  check_options(a.label_smoothing, a.softcap, a.z_loss);
   if (computes_grads(a) && a.grad_scale_rows != 1 && a.grad_scale_rows != n)
     arg_error(kOp, "grad_scale must have 1 or " + std::to_string(n) + " values, got " +
                        std::to_string(a.grad_scale_rows));
-  const int64_t chunk = std::min(n, std::max(kMinChunkRows, (n * h + v - 1) / v));
-  return {n, h, v, std::max<int64_t>(chunk, 1)};
+  return {n, h, v, linear_cross_entropy_chunk_rows(n, h, v)};
+}
+
+int64_t linear_cross_entropy_chunk_rows(int64_t n, int64_t h, int64_t v) {
+  const int64_t chunk = std::min(n, std::max(kMinChunkRows, (n * h + v - 1) / std::max<int64_t>(v, 1)));
+  return std::max<int64_t>(chunk, 1);
+}
+
+void linear_cross_entropy_chunk_check(const TensorRef& logits, const TensorRef& bias,
+                                      int64_t target_rows, int64_t grad_scale_rows,
+                                      double label_smoothing, double softcap, double z_loss) {
+  check_2d("logits", logits);
+  const int64_t rows = logits.sizes[0], v = logits.sizes[1];
+  if (v == 0) arg_error(kOp, "linear_weight must have at least one row (the vocabulary)");
+  if (bias.defined && (bias.dtype != logits.dtype || bias.sizes.size != 1 || bias.sizes[0] != v))
+    arg_error(kOp, "linear_bias must be (" + std::to_string(v) + ",) of the logits' dtype, got " +
+                       bias.sizes.str() + " " + dtype_name(bias.dtype));
+  if (target_rows != rows)
+    arg_error(kOp, "target must have one value per input row (" + std::to_string(rows) +
+                       "), got " + std::to_string(target_rows));
+  if (grad_scale_rows != 0 && grad_scale_rows != 1 && grad_scale_rows != rows)
+    arg_error(kOp, "grad_scale must have 1 or " + std::to_string(rows) + " values, got " +
+                       std::to_string(grad_scale_rows));
+  check_options(label_smoothing, softcap, z_loss);
+}
+
+void linear_cross_entropy_chunk(const LinearCrossEntropyChunk& c, const Exec& exec) {
+  if (c.dbias_acc && c.grad_scale)
+    zero_bytes(c.dbias_acc, size_t(c.vocab) * dtype_size(loss_dtype(c.dtype)), exec);
+  FUSEDLAYERS_ON_DEVICE(exec, (linear_cross_entropy_chunk_cpu(c, exec.parallel_for), 0),
+                        (linear_cross_entropy_chunk_cuda(c, exec.stream), 0));
 }
 
 size_t linear_cross_entropy_workspace_size(const LinearCrossEntropy& a,
@@ -86,23 +124,19 @@ void linear_cross_entropy(const LinearCrossEntropy& a, LinearCrossEntropySizes s
   if (dbias) {
     const size_t offset = (size_t(s.chunk_rows) * s.vocab * elem + 255) / 256 * 256;
     dbias_acc = logits + offset;
-    const size_t bytes = size_t(s.vocab) * dtype_size(loss_dtype(dt));
-    FUSEDLAYERS_ON_DEVICE(exec, (std::fill_n(static_cast<char*>(dbias_acc), bytes, 0), 0),
-                          (zero_bytes_cuda(dbias_acc, bytes, exec.stream), 0));
+    zero_bytes(dbias_acc, size_t(s.vocab) * dtype_size(loss_dtype(dt)), exec);
   }
-  if (grads && s.rows == 0) {  // no chunk writes dW: it is zero
-    const size_t bytes = size_t(s.vocab) * s.hidden * elem;
-    FUSEDLAYERS_ON_DEVICE(exec, (std::fill_n(static_cast<char*>(a.dweight), bytes, 0), 0),
-                          (zero_bytes_cuda(a.dweight, bytes, exec.stream), 0));
-  }
+  if (grads && s.rows == 0)  // no chunk writes dW: it is zero
+    zero_bytes(a.dweight, size_t(s.vocab) * s.hidden * elem, exec);
   const char* input = static_cast<const char*>(a.input.data);
   for (int64_t row0 = 0; row0 < s.rows; row0 += s.chunk_rows) {
     const int64_t rows = std::min(s.chunk_rows, s.rows - row0);
     const Matrix x{input + size_t(row0) * s.hidden * elem, rows, s.hidden, false};
     gemm(x, Matrix{a.weight.data, s.hidden, s.vocab, true}, logits, dt, false);
-    const LinearCrossEntropyChunk c{logits, data_if(a.bias), a.target, row0, rows, s.vocab, dt,
-                                    a.ignore_index, a.label_smoothing, a.softcap, a.z_loss,
-                                    a.grad_scale, a.grad_scale_rows > 1, a.loss, dbias_acc};
+    const LinearCrossEntropyChunk c{logits, logits, data_if(a.bias), a.target, false, row0,
+                                    rows, s.vocab, dt, a.ignore_index, a.label_smoothing,
+                                    a.softcap, a.z_loss, a.grad_scale, a.grad_scale_rows > 1,
+                                    a.loss, dbias_acc};
     FUSEDLAYERS_ON_DEVICE(exec, (linear_cross_entropy_chunk_cpu(c, exec.parallel_for), 0),
                           (linear_cross_entropy_chunk_cuda(c, exec.stream), 0));
     if (!grads) continue;

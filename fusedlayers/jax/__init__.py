@@ -17,4 +17,7 @@ def export_safety_checks() -> list:
     return [jax.export.DisabledSafetyCheck.custom_call(f"fusedlayers_{t}") for t in _TARGETS]
 
 
-__all__ = ["NotBuiltError", "export_safety_checks", *_ops.export(__name__, globals(), "jax")]
+from .linear_cross_entropy import linear_cross_entropy  # noqa: E402  (torch and JAX only so far)
+
+__all__ = ["NotBuiltError", "export_safety_checks", "linear_cross_entropy",
+           *_ops.export(__name__, globals(), "jax")]

@@ -23,7 +23,8 @@ PASSES = ("forward", "backward")
 PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # symbol suffix -> XLA platform
 # The handlers' custom-call targets are fusedlayers_<target> (linear_gelu_gemm_*: CUDA builds).
 TARGETS = (*(f"{op}_{pass_}" for op in ops.NAMES for pass_ in PASSES),
-           *(f"linear_gelu_gemm_{pass_}" for pass_ in PASSES))
+           *(f"linear_gelu_gemm_{pass_}" for pass_ in PASSES),
+           "linear_cross_entropy_chunk")
 
 
 def cuda_build(env=os.environ) -> tuple[bool, str]:
@@ -83,6 +84,7 @@ def load() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(path))
         size = lib.fusedlayers_xla_workspace_size
+        rows = lib.fusedlayers_xla_linear_cross_entropy_chunk_rows
     except (OSError, AttributeError) as e:  # AttributeError: built from other sources
         raise NotBuiltError(f"fusedlayers: the JAX library {path} does not load ({e}). Rebuild "
                             f"it with `{BUILD_COMMAND}`.") from e
@@ -100,4 +102,6 @@ def load() -> ctypes.CDLL:
         gemm = lib.fusedlayers_xla_linear_gelu_gemm_workspace_size
         gemm.restype = ctypes.c_size_t
         gemm.argtypes = [ctypes.c_bool, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    rows.restype = ctypes.c_int64
+    rows.argtypes = [ctypes.c_int64] * 3
     return lib

@@ -67,11 +67,14 @@ class _TracedTensor(ctypes.Structure):
 def _c_argument(value) -> list:
     """A check's argument as ctypes values: a tensor (anything with shape and dtype, or None for
     an absent one) as a TracedTensor pointer, a shape as its dims and their count, a bool, an
-    int (int64), a float32 (np.float32, as the handlers' float attributes), a str."""
+    int (int64), a float32 (np.float32, as the handlers' float attributes) or float64
+    (np.float64), a str."""
     if isinstance(value, (bool, np.bool_)):
         return [ctypes.c_bool(bool(value))]
     if isinstance(value, np.float32):
         return [ctypes.c_float(value)]
+    if isinstance(value, np.float64):
+        return [ctypes.c_double(value)]
     if isinstance(value, (int, np.integer)):
         return [ctypes.c_int64(int(value))]
     if isinstance(value, str):

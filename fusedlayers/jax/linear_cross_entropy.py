@@ -1,0 +1,163 @@
+"""Linear + cross-entropy on JAX arrays without the logits: a chunk loop (jax.lax.scan) whose
+steps are XLA's dots and the custom call fusedlayers_linear_cross_entropy_chunk
+(backends/xla/linear_cross_entropy.cc: csrc's row pass), under jax.custom_vjp. Same contract as
+fusedlayers.torch.linear_cross_entropy; csrc/linear_cross_entropy.h has the math, the chunk
+rule and the checks."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _op
+
+__all__ = ["linear_cross_entropy"]
+
+_OP = "linear_cross_entropy"
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
+                         reduction: str = "mean", ignore_index: int = -100,
+                         label_smoothing: float = 0.0, softcap: float | None = None,
+                         z_loss: float = 0.0, num_items_in_batch=None) -> jax.Array:
+    """cross_entropy(softcap(input @ linear_weight^T + linear_bias), target) without the
+    (..., V) logits, as fusedlayers.torch.linear_cross_entropy (PyTorch's
+    F.linear_cross_entropy arguments, plus softcap, z_loss and num_items_in_batch).
+
+    input (..., H), linear_weight (V, H), linear_bias (V,) of one float dtype; target integer
+    (...). Returns input's dtype: a scalar, or target's shape for reduction 'none'. Rows run in
+    chunks (csrc's rule: at least 1024 rows, or input's size in logits); each chunk's logits are
+    XLA's dot rounded to input's dtype, then csrc's pass. With 'mean' or 'sum' the gradients are
+    formed in the forward pass of jax.grad / jax.vjp and scaled in the backward; with 'none' the
+    backward recomputes the logits. While tracing, raises ValueError for a bad reduction, shapes
+    or options and TypeError for dtypes (csrc's checks); a target outside [0, V) other than
+    ignore_index gives its row an error on the CPU and a NaN loss on CUDA."""
+    x, w, b = _op.prepare(_OP, input=input, linear_weight=linear_weight, linear_bias=linear_bias)
+    target = jnp.asarray(target)
+    if not jnp.issubdtype(target.dtype, jnp.integer):
+        raise TypeError(f"fusedlayers.{_OP}: target must be an integer array, got {target.dtype}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"fusedlayers.{_OP}: reduction must be one of {', '.join(_REDUCTIONS)}, "
+                         f"got {reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(f"fusedlayers.{_OP}: num_items_in_batch divides the 'mean' reduction's "
+                         f"sum; got it with reduction {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fusedlayers.{_OP}: softcap must be None or a positive finite number, "
+                         f"got {softcap!r}")
+    if x.ndim == 0:
+        raise ValueError(f"fusedlayers.{_OP}: input must be (..., H), got a 0-d array")
+    if target.shape != x.shape[:-1]:
+        raise ValueError(f"fusedlayers.{_OP}: target must have input's leading shape "
+                         f"{list(x.shape[:-1])}, got {list(target.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    t = target.reshape(-1)
+    if t.dtype not in (jnp.int32, jnp.int64):
+        t = t.astype(jnp.int32)
+    options = (int(ignore_index), float(label_smoothing), float(softcap or 0.0), float(z_loss))
+    _op.check(_OP, x2, w, b, t.shape[0], *map(np.float64, options[1:]))
+    items = None if num_items_in_batch is None else jnp.asarray(num_items_in_batch)
+    loss = _lce(x2, w, b, t, items, reduction, options)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _loss_dtype(x):
+    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+def _scale(t, items, reduction, ignore_index, x):
+    """The reduction's factor: 1 for 'sum', 1 / count for 'mean', as a (1,) array."""
+    if reduction == "sum":
+        return jnp.ones((1,), _loss_dtype(x))
+    count = (t != ignore_index).sum() if items is None else items
+    return (1 / count.astype(_loss_dtype(x))).reshape(1)
+
+
+def _loop(x, w, b, t, scale, options):
+    """(loss of each row, dx, dw, db) of sum_i scale_i loss_i; the gradients None when scale is
+    None. Chunks of csrc's rows run in order (dw and db summed in that order)."""
+    ignore_index, label_smoothing, softcap, z_loss = options
+    n, h = x.shape
+    v = w.shape[0]
+    c = int(_op.lib.fusedlayers_xla_linear_cross_entropy_chunk_rows(n, h, v)) if n else 1
+    k = max(-(-n // c), 1)
+    pad = k * c - n
+    acc = _loss_dtype(x)
+    grads = scale is not None
+    per_row = grads and scale.shape[0] > 1
+    # Chunk j takes rows i * k + j (i < c): rows split across devices (the leading ones on
+    # the first) stay split within every chunk, so each device runs its share of each chunk.
+    def chunked(a, fill=0):
+        a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
+        return jnp.swapaxes(a.reshape(c, k, *a.shape[1:]), 0, 1)
+    xs = (chunked(x), chunked(t, ignore_index),
+          chunked(scale) if per_row else jnp.zeros((k, 0), acc))
+    bias = b if b is not None else jnp.zeros((0,), x.dtype)
+    whole_scale = scale if grads and not per_row else jnp.zeros((0,), acc)
+    with_db = grads and b is not None
+    results = (jax.ShapeDtypeStruct((c,), acc),
+               jax.ShapeDtypeStruct((c, v) if grads else (0,), x.dtype),
+               jax.ShapeDtypeStruct((v,) if with_db else (0,), acc))
+    roles = "xpr" + ("r" if per_row else "p") + "->r" + ("x" if grads else "p") + \
+        ("s" if with_db else "p")
+
+    def step(carry, chunk):
+        x_c, t_c, s_c = chunk
+        logits = jnp.dot(x_c, w.T, preferred_element_type=acc).astype(x.dtype)
+        loss_c, du, db_c = _op.call(
+            "linear_cross_entropy_chunk", results, logits, bias, t_c,
+            s_c if per_row else whole_scale, roles=roles, rows=1,
+            ignore_index=np.int64(ignore_index), label_smoothing=np.float64(label_smoothing),
+            softcap=np.float64(softcap), z_loss=np.float64(z_loss))
+        if not grads:
+            return carry, (loss_c, jnp.zeros((c, 0), x.dtype))
+        dw, db = carry
+        dx_c = jnp.dot(du, w, preferred_element_type=acc).astype(x.dtype)
+        dw = (dw + jnp.dot(du.T, x_c, preferred_element_type=acc)).astype(w.dtype)
+        return (dw, db + db_c if with_db else db), (loss_c, dx_c)
+
+    init = (jnp.zeros_like(w), jnp.zeros((v,), acc)) if grads else (jnp.zeros(()), jnp.zeros(()))
+    (dw, db), (loss, dx) = jax.lax.scan(step, init, xs)
+    loss = jnp.swapaxes(loss, 0, 1).reshape(-1)[:n]
+    if not grads:
+        return loss, None, None, None
+    return (loss, jnp.swapaxes(dx, 0, 1).reshape(-1, h)[:n], dw,
+            db.astype(b.dtype) if with_db else None)
+
+
+def _reduce(rows, reduction, scale, dtype):
+    return (rows if reduction == "none" else rows.sum() * scale[0]).astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _lce(x, w, b, t, items, reduction, options):
+    rows = _loop(x, w, b, t, None, options)[0]
+    if reduction == "none":
+        return rows.astype(x.dtype)
+    return _reduce(rows, reduction, _scale(t, items, reduction, options[0], x), x.dtype)
+
+
+def _lce_fwd(x, w, b, t, items, reduction, options):
+    if reduction == "none":  # per-row weights come with the backward: recomputed there
+        rows = _loop(x, w, b, t, None, options)[0]
+        return rows.astype(x.dtype), (x, w, b, t, None)
+    scale = _scale(t, items, reduction, options[0], x)
+    rows, dx, dw, db = _loop(x, w, b, t, scale, options)
+    return _reduce(rows, reduction, scale, x.dtype), (dx, dw, db, t, items)
+
+
+def _lce_bwd(reduction, options, saved, g):
+    zero_t = np.zeros(saved[3].shape, jax.dtypes.float0)
+    if reduction == "none":
+        x, w, b, t, _ = saved
+        _, dx, dw, db = _loop(x, w, b, t, g.astype(_loss_dtype(x)), options)
+        return dx, dw, db, zero_t, None
+    dx, dw, db, t, items = saved
+    return (dx * g.astype(dx.dtype), dw * g.astype(dw.dtype),
+            None if db is None else db * g.astype(db.dtype), zero_t,
+            None if items is None else jnp.zeros_like(items))
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd)
