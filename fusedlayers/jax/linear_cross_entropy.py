@@ -103,9 +103,12 @@ def _loop(x, w, b, t, scale, options):
     roles = "xpr" + ("r" if per_row else "p") + "->r" + ("x" if grads else "p") + \
         ("s" if with_db else "p")
 
+    # float32 products as float32 (no TF32 on GPUs), accumulated in the loss dtype
+    dot = partial(jnp.dot, preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
+
     def step(carry, chunk):
         x_c, t_c, s_c = chunk
-        logits = jnp.dot(x_c, w.T, preferred_element_type=acc).astype(x.dtype)
+        logits = dot(x_c, w.T).astype(x.dtype)
         loss_c, du, db_c = _op.call(
             "linear_cross_entropy_chunk", results, logits, bias, t_c,
             s_c if per_row else whole_scale, roles=roles, rows=1,
@@ -114,8 +117,8 @@ def _loop(x, w, b, t, scale, options):
         if not grads:
             return carry, (loss_c, jnp.zeros((c, 0), x.dtype))
         dw, db = carry
-        dx_c = jnp.dot(du, w, preferred_element_type=acc).astype(x.dtype)
-        dw = (dw + jnp.dot(du.T, x_c, preferred_element_type=acc)).astype(w.dtype)
+        dx_c = dot(du, w).astype(x.dtype)
+        dw = (dw + dot(du.T, x_c)).astype(w.dtype)
         return (dw, db + db_c if with_db else db), (loss_c, dx_c)
 
     init = (jnp.zeros_like(w), jnp.zeros((v,), acc)) if grads else (jnp.zeros(()), jnp.zeros(()))
