@@ -142,3 +142,19 @@ def test_switched_off_and_not_fused_twice():
     fuse(model)
     [(_, _, why)] = [e for e in model.fusedlayers_report.left if e[0] == "lm_head"]
     assert "already an instance's own" in why
+
+
+def test_under_autocast_and_in_bfloat16(seed):
+    ids, labels = batch(seed)
+    for dtype, autocast in ((torch.float32, True), (torch.bfloat16, False)):
+        model = causal_lm("llama").to(dtype).train()
+        original = copy.deepcopy(model)
+        fuse(model)
+        assert any("linear_cross_entropy" in what for _, _, what in
+                   model.fusedlayers_report.swapped)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = model(input_ids=ids, labels=labels)
+            ref = original(input_ids=ids, labels=labels)
+        assert out.logits is None and rel_err(out.loss, ref.loss) <= 2e-2
+        out.loss.backward()
+        assert all(p.grad is not None and p.grad.dtype == dtype for p in model.parameters())

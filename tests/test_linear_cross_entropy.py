@@ -107,6 +107,19 @@ def test_half_precision(device, dtype):
         assert rel_err(a.double(), r) <= 3e-2
 
 
+def test_autocast_runs_in_its_dtype_with_float32_parameters():
+    x, w, b, t = _problem(40, 16, 50, torch.float32, "cpu", True)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = linear_cross_entropy(x, w, t, linear_bias=b)
+        want = reference(x, w, t, linear_bias=b)  # F.linear in bfloat16, then its loss
+    assert loss.dtype == torch.bfloat16
+    assert rel_err(loss.double(), want.double()) <= 1e-2
+    gx, gw, gb = torch.autograd.grad(loss, (x, w, b))
+    assert gx.dtype == gw.dtype == gb.dtype == torch.float32  # through the casts
+    wx, ww, wb = torch.autograd.grad(want, (x, w, b))
+    assert all(rel_err(g, r) <= 3e-2 for g, r in ((gx, wx), (gw, ww), (gb, wb)))
+
+
 def test_no_grad_forward_and_all_ignored_rows():
     x, w, _, t = _problem(20, 6, 9, torch.float64, "cpu", False)
     with torch.no_grad():

@@ -30,7 +30,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     reduction: 'mean' (over the non-ignored targets, or over `num_items_in_batch` when given: the
     count of a whole accumulated batch, as Hugging Face's Trainer passes it), 'sum' or 'none'
     (the loss of each target, 0 where ignored). Logsumexp, max and sums in float32 (float64 for
-    float64); the logits chunk and the gradients in input's dtype; returns input's dtype.
+    float64); the logits chunk and the gradients in input's dtype; returns input's dtype. Under
+    autocast, input, weight and bias are cast to its dtype first, as F.linear's are.
     Memory: the gradients of input, weight and bias plus one chunk of logits (rows x V), never
     N x V. With reduction 'mean' or 'sum' and an argument requiring grad, the gradients are
     computed during the forward and scaled in the backward (three GEMMs in all); with 'none'
@@ -55,6 +56,11 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     if target.shape != input.shape[:-1]:
         raise ValueError(f"fusedlayers.linear_cross_entropy: target must have input's leading "
                          f"shape {list(input.shape[:-1])}, got {list(target.shape)}")
+    device = input.device.type
+    if torch.is_autocast_enabled(device):  # as F.linear under autocast: in its dtype
+        dtype = torch.get_autocast_dtype(device)
+        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
+        linear_bias = None if linear_bias is None else linear_bias.to(dtype)
     items = num_items_in_batch
     if items is not None and not isinstance(items, torch.Tensor):
         items = torch.tensor(float(items))
