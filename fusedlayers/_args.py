@@ -54,3 +54,27 @@ def linear(op: str, x_shape, x_dtype, w_shape, w_dtype, b_shape, b_dtype, approx
         raise ValueError(f"{op}: bias must have shape (out_features,) = ({out_features},), got "
                          f"{list(b_shape)}")
     return in_features, out_features
+
+
+LOSS_REDUCTIONS = ("mean", "sum", "none")
+
+
+def linear_cross_entropy(reduction, num_items_in_batch, softcap, input_shape,
+                         target_shape) -> None:
+    """linear_cross_entropy's Python-side rules (the options csrc never sees, and the shapes
+    before they are flattened for it); raises ValueError naming the argument."""
+    op = "fusedlayers.linear_cross_entropy"
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got "
+                         f"{reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(f"{op}: num_items_in_batch divides the 'mean' reduction's sum; got it "
+                         f"with reduction {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{op}: softcap must be None or a positive finite number, got "
+                         f"{softcap!r}")
+    if len(input_shape) == 0:
+        raise ValueError(f"{op}: input must be (..., H), got a 0-d array")
+    if tuple(target_shape) != tuple(input_shape[:-1]):
+        raise ValueError(f"{op}: target must have input's leading shape "
+                         f"{list(input_shape[:-1])}, got {list(target_shape)}")

@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _args
 from . import _op
 
 __all__ = ["linear_cross_entropy"]
 
 _OP = "linear_cross_entropy"
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
@@ -38,20 +38,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
     target = jnp.asarray(target)
     if not jnp.issubdtype(target.dtype, jnp.integer):
         raise TypeError(f"fusedlayers.{_OP}: target must be an integer array, got {target.dtype}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"fusedlayers.{_OP}: reduction must be one of {', '.join(_REDUCTIONS)}, "
-                         f"got {reduction!r}")
-    if num_items_in_batch is not None and reduction != "mean":
-        raise ValueError(f"fusedlayers.{_OP}: num_items_in_batch divides the 'mean' reduction's "
-                         f"sum; got it with reduction {reduction!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"fusedlayers.{_OP}: softcap must be None or a positive finite number, "
-                         f"got {softcap!r}")
-    if x.ndim == 0:
-        raise ValueError(f"fusedlayers.{_OP}: input must be (..., H), got a 0-d array")
-    if target.shape != x.shape[:-1]:
-        raise ValueError(f"fusedlayers.{_OP}: target must have input's leading shape "
-                         f"{list(x.shape[:-1])}, got {list(target.shape)}")
+    _args.linear_cross_entropy(reduction, num_items_in_batch, softcap, x.shape, target.shape)
     x2 = x.reshape(-1, x.shape[-1])
     t = target.reshape(-1)
     if t.dtype not in (jnp.int32, jnp.int64):

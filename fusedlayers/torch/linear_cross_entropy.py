@@ -7,12 +7,12 @@ the chunking: csrc/linear_cross_entropy.h."""
 import torch
 import torch.nn.functional as F
 
+from .. import _args
 from . import _op
 
 __all__ = ["linear_cross_entropy"]
 
 _pass = _op.handle("linear_cross_entropy_pass")
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
@@ -41,21 +41,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     infinite softcap or z_loss, num_items_in_batch without reduction 'mean', or (on the CPU) a
     target outside [0, V) other than ignore_index (on CUDA its loss is NaN); TypeError for dtypes.
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"fusedlayers.linear_cross_entropy: reduction must be one of "
-                         f"{', '.join(_REDUCTIONS)}, got {reduction!r}")
-    if num_items_in_batch is not None and reduction != "mean":
-        raise ValueError(f"fusedlayers.linear_cross_entropy: num_items_in_batch divides the "
-                         f"'mean' reduction's sum; got it with reduction {reduction!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"fusedlayers.linear_cross_entropy: softcap must be None or a positive "
-                         f"finite number, got {softcap!r}")
-    if input.dim() == 0:
-        raise ValueError("fusedlayers.linear_cross_entropy: input must be (..., H), got a 0-d "
-                         "tensor")
-    if target.shape != input.shape[:-1]:
-        raise ValueError(f"fusedlayers.linear_cross_entropy: target must have input's leading "
-                         f"shape {list(input.shape[:-1])}, got {list(target.shape)}")
+    _args.linear_cross_entropy(reduction, num_items_in_batch, softcap, input.shape,
+                               target.shape)
     device = input.device.type
     if torch.is_autocast_enabled(device):  # as F.linear under autocast: in its dtype
         dtype = torch.get_autocast_dtype(device)
