@@ -107,7 +107,8 @@ def bench(argv: list[str]) -> int:
         "config), unfused vs fusedlayers.torch.fuse, instead of single ops; with --framework "
         "jax, of a Keras model on Keras' JAX backend (bert-base: a BERT-base-shaped encoder; "
         "llama: 4 Llama-1B-shaped decoder blocks), unfused vs fused")
-    model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2", "llama"))
+    model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2", "llama", "llama-lm",
+                                           "llama-lm-128k"))
     model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
     model.add_argument("--batch", help="comma-separated batch sizes (default: a host-bound and "
                                        "a GPU-bound one on CUDA, 8 on the CPU)")

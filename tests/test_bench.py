@@ -172,7 +172,7 @@ def test_cli_writes_json_and_starts_quietly(tmp_path):
         "eager", "eager-tanh", "tf-eager"} and r["speedups"] for r in fused)
 
 
-@pytest.mark.parametrize("name", ("bert-base", "llama"))
+@pytest.mark.parametrize("name", ("bert-base", "llama", "llama-lm"))
 def test_model_bench_tiny_on_cpu(name):
     rows = model_bench.run(name, "cpu", batches=(2,), precisions=("fp32", "bf16"),
                            modes=("eager",), rounds=2, steps=1, warmup=1, tiny=True,

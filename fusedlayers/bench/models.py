@@ -4,9 +4,12 @@ compute, float32 parameters), with bfloat16 parameters or in float32, at a host-
 GPU-bound batch.
 
 Models are Hugging Face's, built from their default (base) configs with random weights, no
-download: bert-base (BertModel), vit-base (ViTModel, 224x224 images) and gpt2 (GPT2Model, 124M);
-`tiny` shrinks each to 2 layers of width 64 for a quick run on the CPU. A step is forward, a loss
-(the mean square of the last hidden state), backward and AdamW (fused on CUDA).
+download: bert-base (BertModel), vit-base (ViTModel, 224x224 images), gpt2 (GPT2Model, 124M),
+llama (a ~1.1B LlamaModel, 4 x 2048 tokens) and llama-lm / llama-lm-128k (the same as
+LlamaForCausalLM with vocabularies of 32000 / 128256, trained on its own loss of the input ids as
+labels: fuse() runs its head and loss as linear_cross_entropy); `tiny` shrinks each to 2 layers of
+width 64 for a quick run on the CPU. A step is forward, a loss (the causal LMs' own; else the
+mean square of the last hidden state), backward and AdamW (fused on CUDA).
 
 Unfused and fused run interleaved in A/B rounds (ABBA order), so drift in clocks or host load hits
 both alike; each step's wall time is taken between device synchronizations, and the median over
@@ -32,9 +35,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-MODELS = ("bert-base", "vit-base", "gpt2", "llama")
+MODELS = ("bert-base", "vit-base", "gpt2", "llama", "llama-lm", "llama-lm-128k")
 # (host-bound, GPU-bound) batch on an H100, and on the CPU (tiny configs); llama: 4 x 2048 tokens.
-DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64), "llama": (4,)}
+DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64), "llama": (4,),
+                   "llama-lm": (4,), "llama-lm-128k": (4,)}
 CPU_BATCHES = (8,)
 SEQ = 512
 
@@ -78,18 +82,25 @@ def build(name: str, tiny: bool, seed: int = 0):
 
         def inputs(batch, device, dtype):
             return {"input_ids": torch.randint(0, vocab, (batch, seq), device=device)}
-    elif name == "llama":
-        # A ~1.1B Llama (d 2048, 16 layers, GQA 32/8 heads, ffn 5632, vocab 32000), 2048 tokens
+    elif name.startswith("llama"):
+        # A ~1.1B Llama (d 2048, 16 layers, GQA 32/8 heads, ffn 5632, vocab 32000), 2048 tokens;
+        # -lm: LlamaForCausalLM with its own loss on labels (fuse() fuses the head and loss),
+        # -128k: Llama 3's vocabulary of 128256
         llama = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, intermediate_size=5632, vocab_size=32000,
                      max_position_embeddings=2048)
+        if name.endswith("128k"):
+            llama.update(vocab_size=128256)
         if tiny:
             llama.update(small, num_key_value_heads=2, vocab_size=1000)
-        model = transformers.LlamaModel(transformers.LlamaConfig(**llama))
+        lm = name.startswith("llama-lm")
+        model_cls = transformers.LlamaForCausalLM if lm else transformers.LlamaModel
+        model = model_cls(transformers.LlamaConfig(**llama))
         vocab, llama_seq = model.config.vocab_size, 32 if tiny else 2048
 
         def inputs(batch, device, dtype):
-            return {"input_ids": torch.randint(0, vocab, (batch, llama_seq), device=device)}
+            ids = torch.randint(0, vocab, (batch, llama_seq), device=device)
+            return {"input_ids": ids, **({"labels": ids} if lm else {})}
     elif name == "vit-base":
         vit_small = dict(small, image_size=32, patch_size=4) if tiny else {}
         model = transformers.ViTModel(transformers.ViTConfig(**vit_small),
@@ -122,7 +133,9 @@ class _Variant:
     def step(self, inputs) -> None:
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.precision == "autocast"):
-            loss = self.forward(**inputs).last_hidden_state.float().square().mean()
+            out = self.forward(**inputs)
+            loss = out.loss if "labels" in inputs else \
+                out.last_hidden_state.float().square().mean()
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -171,7 +184,8 @@ def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
         m.eval()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
                                              enabled=precision == "autocast"):
-            outs.append(m(**inputs).last_hidden_state.double())
+            out = m(**inputs)  # a causal LM in eval: its logits, as unfused
+            outs.append((out.logits if "labels" in inputs else out.last_hidden_state).double())
         m.train()
     return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
 
