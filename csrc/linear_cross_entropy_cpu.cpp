@@ -15,6 +15,22 @@ namespace {
 using cpu::from_acc;
 using cpu::to_acc;
 
+int64_t target_at(const LinearCrossEntropyChunk& c, int64_t row) {
+  return c.target_int32 ? static_cast<const int32_t*>(c.target)[row]
+                        : static_cast<const int64_t*>(c.target)[row];
+}
+
+// Before the parallel pass: an error thrown on a worker thread of a framework's pool (TF's, XLA's)
+// would end the process instead of failing the op.
+void check_targets(const LinearCrossEntropyChunk& c) {
+  for (int64_t row = c.row0; row < c.row0 + c.rows; ++row) {
+    const int64_t t = target_at(c, row);
+    if (t != c.ignore_index && (t < 0 || t >= c.vocab))
+      arg_error("linear_cross_entropy", "target must be in [0, " + std::to_string(c.vocab) +
+                                            ") or ignore_index, got " + std::to_string(t));
+  }
+}
+
 template <typename T, typename A>
 void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
   const cpu::IeeeSubnormals ieee;
@@ -25,8 +41,7 @@ void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
   cpu::Row<A> z(static_cast<size_t>(v));
   for (int64_t r = begin; r < end; ++r) {
     const int64_t row = c.row0 + r;
-    const int64_t t = c.target_int32 ? static_cast<const int32_t*>(c.target)[row]
-                                     : static_cast<const int64_t*>(c.target)[row];
+    const int64_t t = target_at(c, row);
     const T* logits = static_cast<const T*>(c.logits) + r * v;
     T* du_row = static_cast<T*>(c.du) + r * v;
     A& loss = static_cast<A*>(c.loss)[row];
@@ -36,9 +51,6 @@ void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < v; ++j) du_row[j] = from_acc<T>(A(0));
       continue;
     }
-    if (t < 0 || t >= v)
-      arg_error("linear_cross_entropy", "target must be in [0, " + std::to_string(v) +
-                                            ") or ignore_index, got " + std::to_string(t));
     A m = -INFINITY, sum = 0;
     for (int64_t j = 0; j < v; ++j) {
       A u = to_acc(logits[j]) + (bias ? to_acc(bias[j]) : A(0));
@@ -66,6 +78,7 @@ void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
 
 void linear_cross_entropy_chunk_cpu(const LinearCrossEntropyChunk& c,
                                     const ParallelFor& parallel_for) {
+  check_targets(c);
   cpu::dispatch(c.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = typename cpu::Acc<T>::type;
