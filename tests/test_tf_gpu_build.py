@@ -19,7 +19,8 @@ from fusedlayers.tensorflow import _library  # noqa: E402
 pytestmark = pytest.mark.skipif(_sources.find_cuda_home() is None, reason="needs nvcc")
 
 OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm",
-       "FusedlayersLayerNormGrad", "FusedlayersLinearGeluEpilogue", "FusedlayersLinearGeluEpilogueGrad"]
+       "FusedlayersLayerNormGrad", "FusedlayersLinearGeluEpilogue", "FusedlayersLinearGeluEpilogueGrad",
+       "FusedlayersLinearCrossEntropyChunk"]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,11 @@ class XlaAttributes {
     std::snprintf(buf, sizeof buf, "%.9e : f32", v);
     return add(name, buf);
   }
+  XlaAttributes& f64(const char* name, double v) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "%.17e : f64", v);
+    return add(name, buf);
+  }
   XlaAttributes& i64(const char* name, int64_t v) {
     return add(name, std::to_string(v) + " : i64");
   }

@@ -10,7 +10,6 @@ trace-time check of the op (`check`: ValueError, or TypeError for a dtype, with 
 message). Nothing wrong reaches XLA; the handlers keep csrc's checks as a backstop.
 """
 
-import ctypes
 import math
 
 import jax
@@ -21,6 +20,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import _csrc_check
 from ..errors import NotBuiltError
 from . import _library
 
@@ -58,52 +58,17 @@ def prepare(op: str, **tensors) -> list:
             for t, v in zip(out, varying)]
 
 
-class _TracedTensor(ctypes.Structure):
-    """backends/xla/binding.h's TracedTensor: a tensor's dtype and dims, without data."""
-    _fields_ = [("dtype", ctypes.c_int32), ("defined", ctypes.c_int32), ("ndim", ctypes.c_int64),
-                ("dims", ctypes.POINTER(ctypes.c_int64))]
-
-
-def _c_argument(value) -> list:
-    """A check's argument as ctypes values: a tensor (anything with shape and dtype, or None for
-    an absent one) as a TracedTensor pointer, a shape as its dims and their count, a bool, an
-    int (int64), a float32 (np.float32, as the handlers' float attributes) or float64
-    (np.float64), a str."""
-    if isinstance(value, (bool, np.bool_)):
-        return [ctypes.c_bool(bool(value))]
-    if isinstance(value, np.float32):
-        return [ctypes.c_float(value)]
-    if isinstance(value, np.float64):
-        return [ctypes.c_double(value)]
-    if isinstance(value, (int, np.integer)):
-        return [ctypes.c_int64(int(value))]
-    if isinstance(value, str):
-        return [ctypes.c_char_p(value.encode())]
-    if isinstance(value, (tuple, list, np.ndarray)):
-        dims = (ctypes.c_int64 * max(len(value), 1))(*value)
-        return [dims, ctypes.c_int64(len(value))]
-    if value is None or hasattr(value, "dtype") and hasattr(value, "shape"):
-        shape = () if value is None else tuple(value.shape)
-        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
-        dtype = 0 if value is None else csrc_dtype(value.dtype)
-        return [ctypes.pointer(_TracedTensor(dtype, value is not None, len(shape), dims))]
-    raise TypeError(f"fusedlayers: no C form for a check argument of type {type(value).__name__}")
-
-
 def check(op: str, *arguments) -> None:
     """csrc's argument checks of op for these static shapes, dtypes and attributes, through the
     library's fusedlayers_xla_<op>_check (backends/xla/<op>.cc), in its argument order; raises
     ValueError, or TypeError for a dtype, with csrc's message. Shapes with symbolic sizes
     (jax.export's shape polymorphism, as Keras infers output specs) are checked once traced
     with concrete ones, and by the handlers when they run."""
-    if any(not isinstance(d, (int, np.integer)) for a in arguments
-           for d in (a if isinstance(a, (tuple, list)) else getattr(a, "shape", ()))):
+    if not _csrc_check.static(*arguments):
         return
-    c_arguments = [c for a in arguments for c in _c_argument(a)]
-    message = ctypes.create_string_buffer(1024)
-    kind = getattr(lib, f"fusedlayers_xla_{op}_check")(*c_arguments, message, len(message))
+    kind, message = _csrc_check.run(lib, op, csrc_dtype, *arguments)
     if kind:
-        raise (TypeError if kind == 2 else ValueError)(message.value.decode())
+        raise (TypeError if kind == 2 else ValueError)(message)
 
 
 def _varying(t) -> set:

@@ -62,7 +62,7 @@ def _jit_library() -> Path:
 
 
 def load():
-    """The loaded op library module (tf.load_op_library), or raises NotBuiltError."""
+    """(the loaded op library module (tf.load_op_library), its path), or raises NotBuiltError."""
     import tensorflow as tf
 
     if os.environ.get("FUSEDLAYERS_JIT") == "1":
@@ -80,7 +80,7 @@ def load():
                 f"Build it with `{BUILD_COMMAND}` with tensorflow installed, or set "
                 f"FUSEDLAYERS_JIT=1 to compile it on first use.")
     try:
-        return tf.load_op_library(str(path))
+        return tf.load_op_library(str(path)), path
     except tf.errors.NotFoundError as e:
         raise NotBuiltError(
             f"fusedlayers: the TensorFlow op library {path} does not load with TensorFlow "

@@ -8,17 +8,22 @@ eagerly, in tf.function, under tf.GradientTape and in a reloaded SavedModel (imp
 module, which a reload needs anyway to load the op library, registers them).
 """
 
+import ctypes
+
 import numpy as np
 import tensorflow as tf
 
+from .. import _csrc_check
 from ..errors import NotBuiltError
 from . import _library
 
 try:
-    lib = _library.load()
+    lib, _path = _library.load()
+    # The same library through ctypes: its C symbols (csrc's checks and rules for static shapes)
+    clib = ctypes.CDLL(str(_path))
     LOAD_ERROR = None
 except NotBuiltError as e:  # importing must not fail; the first call does
-    lib, LOAD_ERROR = None, str(e)
+    lib, clib, LOAD_ERROR = None, None, str(e)
 
 FLOATS = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -49,6 +54,18 @@ def float32_attr(op: str, name: str, value: float) -> float:
         raise invalid(f"fusedlayers.{op}: {name} must be finite and >= 0 as a float32 (the op "
                       f"attribute's type), got {value}")
     return value
+
+
+def check(op: str, *arguments) -> None:
+    """csrc's argument checks of op for static shapes, dtypes and attributes (the library's
+    fusedlayers_xla_<op>_check, as JAX's ops call it), for ops whose TF matmuls would otherwise
+    meet a bad argument first; raises InvalidArgumentError with csrc's message. Sizes unknown
+    while tracing are checked by the op when it runs."""
+    if not _csrc_check.static(*arguments):
+        return
+    kind, message = _csrc_check.run(clib, op, lambda d: FLOATS.index(d), *arguments)
+    if kind:
+        raise invalid(message)
 
 
 def stat_dtype(x: tf.Tensor) -> tf.DType:

@@ -1,0 +1,56 @@
+"""csrc's argument checks for static shapes, dtypes and attributes, called through the C symbols
+fusedlayers_xla_<op>_check (backends/xla/<op>.cc) of a loaded library: the JAX library, and the
+TensorFlow op library, which compiles the same XLA sources. A framework's ops call `run` while
+tracing, so csrc words the error before anything runs. Imports no framework."""
+
+import ctypes
+
+import numpy as np
+
+
+class _TracedTensor(ctypes.Structure):
+    """backends/xla/binding.h's TracedTensor: a tensor's dtype and dims, without data."""
+    _fields_ = [("dtype", ctypes.c_int32), ("defined", ctypes.c_int32), ("ndim", ctypes.c_int64),
+                ("dims", ctypes.POINTER(ctypes.c_int64))]
+
+
+def _c_argument(value, csrc_dtype) -> list:
+    """A check's argument as ctypes values: a tensor (anything with shape and dtype, or None for
+    an absent one) as a TracedTensor pointer, a shape as its dims and their count, a bool, an
+    int (int64), a float32 (np.float32, as the handlers' float attributes) or float64
+    (np.float64), a str."""
+    if isinstance(value, (bool, np.bool_)):
+        return [ctypes.c_bool(bool(value))]
+    if isinstance(value, np.float32):
+        return [ctypes.c_float(value)]
+    if isinstance(value, np.float64):
+        return [ctypes.c_double(value)]
+    if isinstance(value, (int, np.integer)):
+        return [ctypes.c_int64(int(value))]
+    if isinstance(value, str):
+        return [ctypes.c_char_p(value.encode())]
+    if isinstance(value, (tuple, list, np.ndarray)):
+        dims = (ctypes.c_int64 * max(len(value), 1))(*value)
+        return [dims, ctypes.c_int64(len(value))]
+    if value is None or hasattr(value, "dtype") and hasattr(value, "shape"):
+        shape = () if value is None else tuple(value.shape)
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        dtype = 0 if value is None else csrc_dtype(value.dtype)
+        return [ctypes.pointer(_TracedTensor(dtype, value is not None, len(shape), dims))]
+    raise TypeError(f"fusedlayers: no C form for a check argument of type {type(value).__name__}")
+
+
+def static(*arguments) -> bool:
+    """Whether every size among the arguments (shapes, and tensors' shapes) is a concrete int."""
+    return all(isinstance(d, (int, np.integer)) for a in arguments
+               for d in (a if isinstance(a, (tuple, list)) else getattr(a, "shape", ())))
+
+
+def run(lib, op: str, csrc_dtype, *arguments) -> tuple[int, str]:
+    """(kind, message) of fusedlayers_xla_<op>_check on the arguments, in its order: kind 0 when
+    they pass, 1 for a value error, 2 for a dtype error (csrc's Error::Kind). csrc_dtype maps a
+    tensor's dtype to csrc's DType enum."""
+    c_arguments = [c for a in arguments for c in _c_argument(a, csrc_dtype)]
+    message = ctypes.create_string_buffer(1024)
+    kind = getattr(lib, f"fusedlayers_xla_{op}_check")(*c_arguments, message, len(message))
+    return kind, message.value.decode()
