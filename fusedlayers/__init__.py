@@ -1,6 +1,6 @@
 """fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm, RMSNorm, the gated activations
-(SwiGLU, GeGLU) and rotary embeddings (RoPE) for PyTorch, TensorFlow and JAX, forward and backward, from one set of C++
-kernels (csrc/).
+(SwiGLU, GeGLU), rotary embeddings (RoPE) and linear + cross-entropy for PyTorch, TensorFlow
+and JAX, forward and backward, from one set of C++ kernels (csrc/).
 
 The functions here pick the framework from the type of their first argument, so the same call
 works on any supported tensor. Importing fusedlayers imports no framework: the backend of a
@@ -121,3 +121,19 @@ def rope(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
     errors."""
     backend = _backend(q, "rope", "q", k=k, cos=cos, sin=sin)
     return backend.rope(q, k, cos, sin, unsqueeze_dim, interleaved)
+
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
+                         reduction: str = "mean", ignore_index: int = -100,
+                         label_smoothing: float = 0.0, softcap: float | None = None,
+                         z_loss: float = 0.0, num_items_in_batch=None):
+    """cross_entropy(softcap(input @ linear_weight^T + linear_bias), target) without the logits,
+    with PyTorch's F.linear_cross_entropy arguments plus softcap, z_loss and
+    num_items_in_batch. See fusedlayers.torch.linear_cross_entropy for shapes, dtypes and
+    errors."""
+    backend = _backend(input, "linear_cross_entropy", "input", linear_weight=linear_weight,
+                       target=target, linear_bias=linear_bias)
+    return backend.linear_cross_entropy(
+        input, linear_weight, target, linear_bias=linear_bias, reduction=reduction,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+        z_loss=z_loss, num_items_in_batch=num_items_in_batch)

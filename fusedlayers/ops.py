@@ -54,6 +54,10 @@ OPS = (
     # (batch, seq, heads, kv_heads, head_dim): Llama-1B and -8B attention, 4 x 2048 tokens
     Op("rope", "GB/s", {"cuda": ((4, 2048, 32, 8, 64), (4, 2048, 32, 8, 128)),
                         "cpu": ((2, 512, 32, 8, 64),)}),
+    # (tokens, hidden, vocab): Llama-1B/-3B-wide heads on Llama-2's and Llama-3's vocabularies
+    Op("linear_cross_entropy", "TFLOP/s",
+       {"cuda": ((8192, 2048, 32000), (8192, 4096, 32000), (8192, 2048, 128256),
+                 (8192, 4096, 128256)), "cpu": ((2048, 256, 8192),)}),
 )
 NAMES = tuple(op.name for op in OPS)
 

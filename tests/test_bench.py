@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from fusedlayers import ops as fl_ops
 from fusedlayers import __main__ as main
 from fusedlayers.bench import memory as mem, models as model_bench, ops as bench, table
 
@@ -108,10 +109,11 @@ def test_run_adds_tensorflow_rows_on_the_cpu():
     pytest.importorskip("tensorflow")
     rows, _ = bench.run("cpu", ("float32",), quick=True, compile=False, reps=1, rounds=1)
     tf_rows = {(r.op, r.pass_, r.impl) for r in rows if r.impl.startswith("tf-")}
+    gemm_bound = {op.name for op in fl_ops.OPS if op.bench_unit == "TFLOP/s"}
     assert tf_rows == {(op, p, impl) for op in bench.OPS for p in ("fwd", "fwd+bwd")
                        for impl in ("tf-fused", "tf-eager")} | {
-        ("linear_gelu", "fwd", "tf-gemm"), ("linear_gelu", "fwd+bwd", "tf-gemm")} | {
-        (op, "fwd", "tf-copy") for op in bench.OPS if op != "linear_gelu"}
+        (op, p, "tf-gemm") for op in gemm_bound for p in ("fwd", "fwd+bwd")} | {
+        (op, "fwd", "tf-copy") for op in bench.OPS if op not in gemm_bound}
     assert all(r.ms > 0 for r in rows)
 
 
@@ -266,6 +268,16 @@ def test_memory_bench_counts_what_each_layer_saves(variant):
     relu_block = norm + t * d + relu_saves + t * h
     assert saved_mb * 2**20 == 4 * (gelu_block + relu_block + t * d)
     assert peak_mb is None
+
+
+def test_memory_bench_causal_lm_keeps_no_logits():
+    """The tiny llama-lm (vocabulary 1000, 8 x 32 tokens) on its own loss: the unfused model
+    saves its float32 logits for the loss's backward (its log-softmax output among them), the
+    fused one never makes them."""
+    rows = mem.run("cpu", ("llama-lm",), log=lambda line: None)
+    saved = {r.variant: r.saved_mb for r in rows}
+    logits_mb = 8 * 32 * 1000 * 4 / 2**20
+    assert saved["unfused"] - saved["fused"] >= logits_mb, saved
 
 
 def test_cli_memory_bench_writes_json(tmp_path):

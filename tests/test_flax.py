@@ -101,3 +101,30 @@ def test_rotary_embedding_other_axes_and_positions(rng):
     shifted = flf.RotaryEmbedding()(moved, positions=jnp.arange(3, 8))
     assert rel_err(np.asarray(jnp.moveaxis(y, (1, 2), (-1, 1))), np.asarray(shifted)) <= 1e-6
     assert rel_err(np.asarray(y), np.asarray(x)) > 0.1  # positions 3.. rotate every pair
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_linear_cross_entropy_module(tied, rng):
+    v, h = 29, 12
+    embed = nnx.Embed(v, h, rngs=nnx.Rngs(1))
+    head = flf.LinearCrossEntropy(h, v, use_bias=not tied, z_loss=1e-3, rngs=nnx.Rngs(0),
+                                  embedding=embed.embedding if tied else None)
+    if not tied:
+        head.bias[...] = jnp.asarray(rng.normal(v), jnp.float32)
+    assert head.kernel.shape == (v, h)
+    x = jnp.asarray(rng.normal((3, 7, h)), jnp.float32)
+    t = jnp.asarray(rng.gen.integers(0, v, (3, 7)), jnp.int32).at[0, 0].set(-100)
+
+    def formula(kernel, bias, x):  # the unfused head and loss
+        z = x @ kernel.T + (0 if bias is None else bias)
+        lse = jax.nn.logsumexp(z, -1)
+        kept = t != -100
+        picked = jnp.take_along_axis(z, jnp.where(kept, t, 0)[..., None], -1)[..., 0]
+        return jnp.where(kept, lse - picked + 1e-3 * lse ** 2, 0).sum() / kept.sum()
+    bias = None if tied else head.bias[...]
+    loss, grad = nnx.value_and_grad(lambda m: m(x, t))(head)
+    want, grad_want = jax.value_and_grad(formula)(head.kernel[...], bias, x)
+    assert rel_err(np.asarray(loss), np.asarray(want)) <= 1e-5
+    assert rel_err(np.asarray(grad["kernel"][...]), np.asarray(grad_want)) <= 1e-5
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        flf.LinearCrossEntropy(h, v, reduction="avg", rngs=nnx.Rngs(0))

@@ -203,3 +203,16 @@ def test_cpu_peak_memory_stays_far_below_the_logits():
     logits = 8192 * 16384 * 4  # one N x V float32 buffer: 512 MiB
     # one chunk of 1024 rows (64 MiB) and dW (1 MiB) are what the op adds
     assert grown < logits / 4, f"peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_decomposition_returns_what_the_operator_returns(grads, reduction):
+    # ONNX export and fake-tensor tracing read it: loss and gradients as the operator's
+    from fusedlayers.torch.linear_cross_entropy import EXPORT_DECOMPOSITIONS
+    x, w, b, t = (a.detach() for a in _problem(700, 11, 23, torch.float64, "cpu", True))
+    args = (x, w, b, t, None, reduction, -100, 0.1, 2.0, 1e-3, grads and reduction != "none")
+    got = EXPORT_DECOMPOSITIONS["linear_cross_entropy"](*args)
+    want = torch.ops.fusedlayers.linear_cross_entropy.default(*args)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and rel_err(g, r) <= 1e-12

@@ -48,6 +48,12 @@ def _fwd_bwd(fn, n_inputs: int):
     return run
 
 
+def _cotangent(fn, inputs):
+    """A random cotangent for fn's outputs on inputs."""
+    return jax.tree.map(lambda s: jax.random.normal(jax.random.key(1), s.shape, s.dtype),
+                        jax.eval_shape(fn, *inputs))
+
+
 def _ms(loop, reps: int, iters: int) -> float:
     """The median ms per call of `reps` runs of a compiled loop of `iters` calls."""
     times = []
@@ -60,8 +66,9 @@ def _ms(loop, reps: int, iters: int) -> float:
 
 def time_rounds(fns: dict, inputs, rounds: int, reps: int, iters: int) -> dict:
     """name -> each round's ms per call of fns[name](*inputs), the fns timed in turn each round,
-    after each loop's compilation and a warm-up run."""
-    loops = {name: _looped(fn, inputs, iters) for name, fn in fns.items()}
+    after each loop's compilation and a warm-up run; `inputs` a list, or one list per name."""
+    loops = {name: _looped(fn, inputs[name] if isinstance(inputs, dict) else inputs, iters)
+             for name, fn in fns.items()}
     for loop in loops.values():
         jax.block_until_ready(loop())
     times = {name: [] for name in fns}
@@ -114,8 +121,6 @@ def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = REPS,
                 continue
             for shape in shapes(device, quick)[op.name]:
                 case = ops.module(op, "jax").bench_case(shape, dtype)
-                dy = jax.tree.map(lambda s: jax.random.normal(jax.random.key(1), s.shape, dtype),
-                                  jax.eval_shape(case.fused, *case.inputs))
                 for pass_ in ("fwd", "fwd+bwd"):
                     impls = {"jax-fused": case.fused, "jax-xla": case.eager,
                              **{"jax-" + name: fn for name, fn in case.variants.items()}}
@@ -123,10 +128,12 @@ def run(dtypes=("float32", "bfloat16"), quick: bool = False, reps: int = REPS,
                         impls["jax-copy"] = lambda x, *_: -x  # same bytes as the forward
                     if pass_ == "fwd":
                         times = time_rounds(impls, case.inputs, rounds, reps, iters)
-                    else:
+                    else:  # each impl's own cotangent (a variant may return other shapes)
                         n = len(case.inputs)
                         times = time_rounds({impl: _fwd_bwd(fn, n) for impl, fn in impls.items()},
-                                            [*case.inputs, dy], rounds, reps, iters)
+                                            {impl: [*case.inputs, _cotangent(fn, case.inputs)]
+                                             for impl, fn in impls.items()},
+                                            rounds, reps, iters)
                     rows += [row(op, shape_name(shape), dtype_name, pass_, impl, ms,
                                  case.work[pass_], ceilings) for impl, ms in times.items()]
     return rows, ceilings

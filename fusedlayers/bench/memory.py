@@ -1,8 +1,8 @@
 """`python -m fusedlayers bench --memory`: activation memory of one training step, unfused against
 fused, for a stack of 12 MLP blocks and for the model bench's models (fusedlayers.bench.models).
 
-Per model and variant, two measures of one step (forward, loss = mean square of the output,
-backward):
+Per model and variant, two measures of one step (forward, loss = mean square of the output or,
+for the causal LMs (llama-lm, llama-lm-128k), the model's own loss, backward):
 - saved: the bytes autograd keeps from the forward for the backward, counted by a
   torch.autograd.graph.saved_tensors_hooks pack hook (each storage once, parameters excluded;
   inputs included). The same on every device.
@@ -84,8 +84,11 @@ def measure(model: nn.Module, inputs: dict, device: torch.device) -> tuple[float
         base = torch.cuda.memory_allocated(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(**inputs)
-        out = getattr(out, "last_hidden_state", out)
-        loss = out.float().square().mean()
+        if "labels" in inputs:  # a causal LM: its own loss (fused: no logits)
+            loss = out.loss
+        else:
+            out = getattr(out, "last_hidden_state", out)
+            loss = out.float().square().mean()
     loss.backward()
     peak = None
     if cuda:

@@ -151,3 +151,28 @@ def _lce_bwd(reduction, options, saved, g):
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
+
+
+def bench_case(shape, dtype):
+    """Against XLA's dot (float32 logits, as flax's LM heads compute them for the loss) then
+    optax's formula (log_softmax, the target's term, mean over kept rows), at (tokens, hidden,
+    vocab), targets fixed (1 in 7 ignored); "gemm": the logits' dot alone (with the backward:
+    the three GEMMs, the floor)."""
+    from ..bench.case import Case
+    n, h, v = shape
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (n, h), dtype)
+    w = (jax.random.normal(keys[1], (v, h), jnp.float32) / h ** 0.5).astype(dtype)
+    t = np.random.default_rng(2).integers(0, v, n)
+    t[::7] = -100
+    t = jnp.asarray(t, jnp.int32)
+    dot = partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+
+    def unfused(x, w):
+        logp = jax.nn.log_softmax(dot(x, w.T, preferred_element_type=jnp.float32))
+        kept = t != -100
+        picked = jnp.take_along_axis(logp, jnp.where(kept, t, 0)[:, None], 1)[:, 0]
+        return (-jnp.where(kept, picked, 0).sum() / kept.sum()).astype(x.dtype)
+    flops = 2 * n * h * v
+    return Case(lambda x, w: linear_cross_entropy(x, w, t), unfused, [x, w],
+                {"fwd": flops, "fwd+bwd": 3 * flops}, variants={"gemm": lambda x, w: dot(x, w.T)})

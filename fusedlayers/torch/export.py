@@ -6,7 +6,8 @@ The exporter decomposes what it has no ONNX translation for with the decompositi
 `torch._decomp.decomposition_table`; this module puts there, for every op of the table
 (fusedlayers.ops), the decomposition of the operator the op's functions and modules call
 (its `DECOMPOSITIONS[name]`, the one Inductor lowers too): an exported program, traced without
-autograd, holds no backward operators. torch.export itself keeps the fused operators (its own
+autograd, holds no backward operators; an op that Inductor keeps whole (linear_cross_entropy)
+gives its own `EXPORT_DECOMPOSITIONS`. torch.export itself keeps the fused operators (its own
 decompositions do not read that table)."""
 
 import torch
@@ -17,6 +18,8 @@ from .. import ops
 def install() -> None:
     """Registers each op's operator decomposition in torch._decomp.decomposition_table."""
     for op in ops.OPS:
-        decompose = ops.module(op, "torch").DECOMPOSITIONS[op.name]
+        module = ops.module(op, "torch")
+        decompose = {**module.DECOMPOSITIONS,
+                     **getattr(module, "EXPORT_DECOMPOSITIONS", {})}[op.name]
         torch._decomp.decomposition_table[getattr(torch.ops.fusedlayers, op.name).default] = \
             decompose

@@ -63,15 +63,16 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
     existing Parameters. Works on train() and eval() models, on any device and dtype the fused
     ops support.
 
-    enabled: one keyword per op of fusedlayers.ops (layer_norm=False leaves the LayerNorms, ...)
-    and linear_cross_entropy (a causal LM's head and loss); every op is fused by default. Returns `model`; its `fusedlayers_report` attribute lists what
-    was swapped and what was left, and why (printed when verbose). Raises TypeError if model is
-    not an nn.Module or a keyword names no op.
+    enabled: one keyword per op of fusedlayers.ops (layer_norm=False leaves the LayerNorms, ...,
+    linear_cross_entropy=False a causal LM's head and loss); every op is fused by default.
+    Returns `model`; its `fusedlayers_report` attribute lists what was swapped and what was
+    left, and why (printed when verbose). Raises TypeError if model is not an nn.Module or a
+    keyword names no op.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusedlayers.torch.fuse: model must be a torch.nn.Module, got "
                         f"{type(model).__module__}.{type(model).__qualname__}")
-    names = (*ops.NAMES, "linear_cross_entropy")  # the last one torch-only, outside the table
+    names = ops.NAMES
     unknown = set(enabled) - set(names)
     if unknown:
         raise TypeError(f"fusedlayers.torch.fuse: unexpected keyword(s) {sorted(unknown)}; the "

@@ -117,7 +117,15 @@ def _setup_context(ctx, inputs, output):
     input, weight, bias, target, items, reduction, ignore_index, *options, grads = inputs
     ctx.reduction, ctx.has_bias, ctx.grads = reduction, bias is not None, grads
     ctx.args = (ignore_index, *options)
-    if grads:
+    # Eagerly the first backward scales the forward's gradients in place (no second dW, as large
+    # as the weight): they are held outside the saved tensors, whose versions autograd checks,
+    # and a later backward (retain_graph, gradcheck) recomputes from the saved inputs. Traced
+    # (torch.compile, AOTAutograd: tensor subclasses) or as subclasses (DTensor) the gradients
+    # are saved tensors, scaled out of place.
+    ctx.in_place = grads and not torch.compiler.is_compiling() and all(
+        type(g) is torch.Tensor for g in output[1:])
+    ctx.grads_once = [g.detach() for g in output[1:]] if ctx.in_place else None
+    if grads and not ctx.in_place:
         ctx.save_for_backward(*output[1:])
     else:
         ctx.save_for_backward(input, weight, bias, target, items)
@@ -125,9 +133,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dloss, *_):
     none = (None,) * 8  # target, items and the options
-    if ctx.grads:  # computed in the forward for a scale of 1: times the loss's gradient
-        dx, dw, db = ctx.saved_tensors
+    if ctx.grads and (ctx.grads_once or not ctx.in_place):
+        # computed in the forward for a scale of 1: times the loss's gradient
+        dx, dw, db = ctx.grads_once or ctx.saved_tensors
         g = dloss.to(dx.dtype)
+        if ctx.in_place:
+            ctx.grads_once = None
+            return (dx.mul_(g), dw.mul_(g), db.mul_(g) if ctx.has_bias else None, *none)
         return (dx * g, dw * g, db * g if ctx.has_bias else None, *none)
     # the backward recomputes the logits, each row's gradient scaled by its share of dloss
     input, weight, bias, target, items = ctx.saved_tensors
@@ -162,3 +174,70 @@ def reference(input, linear_weight, target, *, linear_bias=None, reduction="mean
         return rows.sum()
     count = (t != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
     return rows.sum() / count
+
+
+# Inductor keeps the op whole: decomposed, it would be the logits it exists to avoid.
+DECOMPOSITIONS = {}
+
+
+def _decomposed(input, weight, bias, target, items, reduction, ignore_index, label_smoothing,
+                softcap, z_loss, grads):
+    """The operator in aten ops, returning what it returns (csrc/linear_cross_entropy.h's
+    formulas on the whole N x V logits): what torch.onnx.export writes, and what fake-tensor
+    tracing (AOTAutograd) reads from the same table."""
+    acc = _loss_dtype(input)
+    u = F.linear(input, weight, bias).to(acc)  # the logits in input's dtype, then acc
+    z = softcap * torch.tanh(u / softcap) if softcap else u
+    v = z.shape[-1]
+    lse = torch.logsumexp(z, -1)
+    kept = target != ignore_index
+    t = torch.where(kept, target, 0)
+    picked = z.gather(1, t[:, None])[:, 0]
+    rows = (1 - label_smoothing) * (lse - picked) + label_smoothing * (lse - z.mean(-1))
+    rows = torch.where(kept, rows + z_loss * lse ** 2, 0)
+    scale = _scale(target, items, reduction, ignore_index, input)
+    loss = (rows if reduction == "none" else rows.sum() * scale[0]).to(input.dtype)
+    if not grads:
+        empty = input.new_empty(0)
+        return loss, empty, empty, empty
+    dz = torch.softmax(z, -1) * (1 + 2 * z_loss * lse)[:, None] - label_smoothing / v
+    dz = (dz - (1 - label_smoothing) * F.one_hot(t, v).to(acc)) * (kept * scale)[:, None]
+    du = (dz * (1 - (z / softcap) ** 2) if softcap else dz).to(input.dtype)
+    db = du.to(acc).sum(0).to(input.dtype) if bias is not None else input.new_empty(0)
+    return loss, du @ weight, du.t() @ input, db
+
+
+EXPORT_DECOMPOSITIONS = {"linear_cross_entropy": _decomposed}
+
+
+def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = False):
+    """At (tokens, hidden, vocab), targets fixed (1 in 7 ignored), weight ~ N(0, 1 / hidden):
+    against the unfused head and loss as Hugging Face runs them (the logits in dtype, the loss
+    on their float32 copy); "gemm": the logits' GEMM alone (with the backward: the three GEMMs,
+    the floor); with `peers` on CUDA, Liger-Kernel's fused linear cross-entropy and Apple's Cut
+    Cross-Entropy where installed."""
+    from ..bench.case import Case
+    n, h, v = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) / h ** 0.5).to(device, dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::7] = -100
+    t = t.to(device)
+    flops = 2 * n * h * v
+    case = Case(lambda: linear_cross_entropy(x, w, t),
+                lambda: F.cross_entropy(F.linear(x, w).float(), t), [x, w],
+                {"fwd": flops, "fwd+bwd": 3 * flops}, variants={"gemm": lambda: x @ w.t()})
+    if peers and device.type == "cuda":
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            liger = LigerFusedLinearCrossEntropyLoss()
+            case.variants["liger"] = lambda: liger(w, x, t)
+        except ImportError:
+            pass
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+            case.variants["cce"] = lambda: cce(x, w, t)
+        except ImportError:
+            pass
+    return case
