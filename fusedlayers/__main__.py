@@ -89,7 +89,8 @@ def bench(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--peers", action="store_true",
-                        help="add Liger-Kernel's and QuACK's kernels where they import (CUDA)")
+                        help="add Liger-Kernel's and QuACK's kernels where they import (CUDA); "
+                             "--model llama*: Liger's patched model, eager")
     parser.add_argument("--no-tensorflow", action="store_true",
                         help="skip the TensorFlow rows (CPU; they run where the op library loads)")
     parser.add_argument("--rounds", type=int, default=5,
@@ -190,7 +191,8 @@ def _bench_model(args, device: str, name: str) -> int:
                   tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
                   tuple((args.precision or "autocast,bf16").split(",")),
                   tuple(args.modes.split(",")),
-                  args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed)
+                  args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed,
+                  peers=args.peers)
     if args.distributed:
         dist.destroy_process_group()
     if first and args.json:

@@ -58,6 +58,9 @@ class ModelRow:
     unfused_peak_mb: float | None
     fused_peak_mb: float | None
     first_forward_rel_diff: float
+    # With peers on the Llamas: Liger-Kernel's four patches on the same model (eager)
+    liger_ms: float | None = None
+    liger_peak_mb: float | None = None
 
 
 def build(name: str, tiny: bool, seed: int = 0):
@@ -119,10 +122,41 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-class _Variant:
-    """One model with its optimizer and a training step (eager or compiled)."""
+def _liger(model):
+    """Liger-Kernel's Llama patches on this instance (RMSNorm, SwiGLU MLP and, for a causal LM,
+    its fused linear cross-entropy forward) and a context that swaps in its RoPE, a module-level
+    function in transformers, around this model's steps only: the other models of the process
+    keep theirs, and later builds Llama's own classes."""
+    import contextlib
 
-    def __init__(self, model, device, precision: str, mode: str, distributed: bool = False):
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    saved = {n: getattr(modeling_llama, n) for n in names}
+    apply_liger_kernel_to_llama(
+        model=model, fused_linear_cross_entropy=isinstance(model, modeling_llama.LlamaForCausalLM))
+    liger_rope = modeling_llama.apply_rotary_pos_emb
+    for n, v in saved.items():
+        setattr(modeling_llama, n, v)
+
+    @contextlib.contextmanager
+    def rope():
+        modeling_llama.apply_rotary_pos_emb = liger_rope
+        try:
+            yield
+        finally:
+            modeling_llama.apply_rotary_pos_emb = saved["apply_rotary_pos_emb"]
+    return rope
+
+
+class _Variant:
+    """One model with its optimizer and a training step (eager or compiled); `around`: a context
+    each step runs in."""
+
+    def __init__(self, model, device, precision: str, mode: str, distributed: bool = False,
+                 around=None):
+        import contextlib
+        self.around = around or contextlib.nullcontext
         self.model, self.device, self.precision = model, device, precision
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
         if distributed:
@@ -131,8 +165,8 @@ class _Variant:
         self.forward = torch.compile(model) if mode == "compile" else model
 
     def step(self, inputs) -> None:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                            enabled=self.precision == "autocast"):
+        with self.around(), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                           enabled=self.precision == "autocast"):
             out = self.forward(**inputs)
             loss = out.loss if "labels" in inputs else \
                 out.last_hidden_state.float().square().mean()
@@ -192,9 +226,12 @@ def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
 
 def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "bf16"),
         modes=("eager", "compile"), rounds: int = 5, steps: int = 4, warmup: int = 3,
-        tiny: bool = False, log=print, distributed: bool = False) -> list[ModelRow]:
+        tiny: bool = False, log=print, distributed: bool = False,
+        peers: bool = False) -> list[ModelRow]:
     """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
-    `distributed`: under an initialized torch.distributed process group, each model in DDP."""
+    `distributed`: under an initialized torch.distributed process group, each model in DDP.
+    `peers`: the Llamas in eager mode also with Liger-Kernel's patches (_liger), in the same
+    rounds, where it imports."""
     from ..torch import fuse
     unknown = set(precisions) - {"autocast", "bf16", "fp32"} | set(modes) - {"eager", "compile"}
     if unknown:
@@ -219,13 +256,17 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
                 torch._dynamo.reset()  # each compiled case starts from an empty cache
                 variants = {"unfused": _Variant(unfused, dev, precision, mode, distributed),
                             "fused": _Variant(fused, dev, precision, mode, distributed)}
+                if peers and mode == "eager" and name.startswith("llama") and _liger_imports():
+                    liger = copy.deepcopy(base)
+                    variants["liger"] = _Variant(liger, dev, precision, mode, distributed,
+                                                 around=_liger(liger))
                 t_start = time.perf_counter()
                 for v in variants.values():
                     for _ in range(warmup):  # compiles, autotunes, fills caches
                         v.step(inputs)
                 times = {k: [] for k in variants}
                 for r in range(rounds):
-                    order = ("unfused", "fused") if r % 2 == 0 else ("fused", "unfused")
+                    order = list(variants) if r % 2 == 0 else list(variants)[::-1]
                     for k in order:
                         times[k] += [variants[k].timed_step(inputs) for _ in range(steps)]
                 gpu = {k: v.gpu_ms(inputs) for k, v in variants.items()}
@@ -233,13 +274,23 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
                 ms = {k: statistics.median(t) for k, t in times.items()}
                 row = ModelRow(name, batch, precision, mode, ms["unfused"], ms["fused"],
                                ms["unfused"] / ms["fused"], gpu["unfused"][0], gpu["fused"][0],
-                               gpu["fused"][1], peak["unfused"], peak["fused"], diff)
+                               gpu["fused"][1], peak["unfused"], peak["fused"], diff,
+                               ms.get("liger"), peak.get("liger"))
                 rows.append(row)
                 log(f"{format_row(row)}   [{time.perf_counter() - t_start:.0f} s]")
                 del variants, unfused, fused
+                liger = None
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+def _liger_imports() -> bool:
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _f(v, fmt):
@@ -248,7 +299,8 @@ def _f(v, fmt):
 
 HEADER = (f"{'model':<10}{'batch':>6} {'precision':<9} {'mode':<8}{'unfused ms':>11}"
           f"{'fused ms':>10}{'speedup':>8}{'GPU ms unf':>11}{'GPU ms fus':>11}{'ours':>7}"
-          f"{'peak MB unf':>12}{'peak MB fus':>12}{'fwd diff':>10}")
+          f"{'peak MB unf':>12}{'peak MB fus':>12}{'fwd diff':>10}{'Liger ms':>10}"
+          f"{'Liger MB':>10}")
 
 
 def format_row(r: ModelRow) -> str:
@@ -256,7 +308,8 @@ def format_row(r: ModelRow) -> str:
             f"{r.fused_ms:>10.2f}{r.speedup:>7.3f}x{_f(r.unfused_gpu_ms, '11.2f'):>11}"
             f"{_f(r.fused_gpu_ms, '11.2f'):>11}{_f(r.fused_ours_gpu_ms, '7.2f'):>7}"
             f"{_f(r.unfused_peak_mb, '12.0f'):>12}{_f(r.fused_peak_mb, '12.0f'):>12}"
-            f"{r.first_forward_rel_diff:>10.1e}")
+            f"{r.first_forward_rel_diff:>10.1e}{_f(r.liger_ms, '10.2f'):>10}"
+            f"{_f(r.liger_peak_mb, '10.0f'):>10}")
 
 
 def format_table(rows: list[ModelRow], device_name: str) -> str:
