@@ -4,6 +4,7 @@ call of `fusedlayers.torch.fuse`, and check that both runs learn the same thing.
     python examples/train_hf_llama.py                   # CPU, well under a minute
     python examples/train_hf_llama.py --device cuda     # on a CUDA machine
     python examples/train_hf_llama.py --help            # steps, batch size, seed, plot
+    torchrun --nproc-per-node 2 examples/train_hf_llama.py --distributed ddp   # or fsdp
 
 The text is the Python standard library's own source files (every machine with Python has them;
 nobody here wrote them), read as bytes: a byte-level vocabulary of 256, the first 90% of the
@@ -13,7 +14,15 @@ rotary embeddings, sequences of 128 bytes. `fuse(model)` swaps its RMSNorms, its
 per attention instance, its RoPE, and in training with labels runs its LM head and loss as one
 linear_cross_entropy that never makes the logits; it prints what it swapped. The unfused model
 is a deep copy taken before, so both start from the same weights; they take the same batches,
-one step each in turn (background load affects both alike), with AdamW.
+one step each in turn (background load affects both alike), with AdamW. The loss skips the first
+0-15 bytes of each sequence (a different number per sequence, as a prompt's tokens are masked in
+fine-tuning) and is the mean over the batch's counted tokens, passed as `num_items_in_batch`.
+
+Distributed (--distributed ddp|fsdp, under torchrun: gloo on the CPU, NCCL on GPUs): both models
+under DistributedDataParallel or FSDP2 (`fully_shard` per decoder layer, then the model), each
+process taking its share of every global batch; `num_items_in_batch` is the count summed over
+the processes (all_reduce), and the loss is scaled by the number of processes, whose gradients
+the engines average: the same training as one process on the whole batch.
 
 Printed: the train loss every --log-every steps for both runs, the held-out loss (bits per byte)
 at the end, ms per step (median), peak memory per step on CUDA, and a PNG of the loss curves
@@ -25,6 +34,7 @@ held-out loss stays above MAX_HELD_OUT (the untrained model's is ln 256 = 5.55 n
 
 import argparse
 import copy
+import json
 import math
 import os
 import statistics
@@ -32,6 +42,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import transformers
 
 import fusedlayers
@@ -65,23 +76,53 @@ def model(device: torch.device) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).to(device)
 
 
+def labels_of(batch: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The batch as its own labels, the first rows % 16 bytes of each sequence not counted."""
+    skipped = torch.arange(SEQ, device=batch.device) < (rows % 16).to(batch.device)[:, None]
+    return batch.masked_fill(skipped, -100)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def distribute(lm, engine: str | None, device: torch.device):
+    """The model under DistributedDataParallel or FSDP2, or as it is."""
+    if engine == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(
+            lm, device_ids=[device.index] if device.type == "cuda" else None)
+    if engine == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in lm.model.layers:
+            fully_shard(layer)
+        return fully_shard(lm)
+    return lm
+
+
 class Run:
     def __init__(self, name: str, lm, lr: float):
         self.name, self.lm = name, lm
         self.opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.01)
         self.losses, self.step_ms, self.peak_mb = [], [], []
 
-    def step(self, batch: torch.Tensor) -> None:
+    def step(self, batch: torch.Tensor, labels: torch.Tensor) -> None:
+        """One step on this process's share of a global batch."""
         cuda = batch.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         self.lm.train()
-        loss = self.lm(input_ids=batch, labels=batch).loss
-        loss.backward()
+        items = (labels[:, 1:] != -100).sum()  # the tokens HF's shifted loss counts
+        if dist.is_initialized():
+            dist.all_reduce(items)
+        loss = self.lm(input_ids=batch, labels=labels, num_items_in_batch=items).loss
+        (loss * world_size()).backward()  # the engines average the processes' gradients
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if dist.is_initialized():
+            dist.all_reduce(loss)  # the global batch's mean
         value = loss.item()  # waits for the device
         self.step_ms.append(1e3 * (time.perf_counter() - start))
         if cuda:
@@ -91,8 +132,7 @@ class Run:
     @torch.no_grad()
     def held_out(self, data: torch.Tensor, batch_size: int) -> float:
         self.lm.eval()
-        losses = [self.lm(input_ids=b, labels=b).loss.item()
-                  for b in data.split(batch_size)]
+        losses = [self.lm(input_ids=b, labels=b).loss.item() for b in data.split(batch_size)]
         return sum(losses) / len(losses)
 
 
@@ -105,10 +145,27 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--plot", default="train_hf_llama_loss.png", help="loss-curve PNG path")
+    parser.add_argument("--json", metavar="PATH", help="also write the logged losses as JSON")
+    parser.add_argument("--distributed", choices=("ddp", "fsdp"),
+                        help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch sees no CUDA device")
+    if args.distributed:
+        if "LOCAL_RANK" not in os.environ:
+            parser.error("--distributed: launch with torchrun, e.g. `torchrun --nproc-per-node 2 "
+                         "examples/train_hf_llama.py --distributed ddp`")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if args.batch_size % world_size():
+            parser.error(f"--batch-size {args.batch_size} must split evenly over "
+                         f"{world_size()} processes")
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if not first:  # one process prints
+        sys.stdout = open(os.devnull, "w")
     transformers.logging.set_verbosity_error()
 
     text = corpus(args.steps * args.batch_size * SEQ * 10 // 9 + 64 * SEQ)
@@ -118,7 +175,8 @@ def main() -> int:
     train, held = sequences[:split].to(device), sequences[split:].to(device)
     print(fusedlayers.loaded("torch"))
     print(f"standard library source: {len(text) / 1e6:.2f} MB, {len(train)} train / {len(held)} "
-          f"held-out sequences of {SEQ} bytes, device {device}, seed {args.seed}")
+          f"held-out sequences of {SEQ} bytes, device {device}, seed {args.seed}"
+          + (f", {args.distributed} over {world_size()} processes" if args.distributed else ""))
 
     torch.manual_seed(args.seed)
     unfused_lm = model(device)
@@ -128,14 +186,18 @@ def main() -> int:
     failures = [f"fuse() did not swap {op}" for op in ("RMSNorm", "SwiGLUMLP", "rope",
                                                        "linear_cross_entropy")
                 if op not in swapped]
-    runs = [Run("unfused", unfused_lm, args.lr), Run("fused", fused_lm, args.lr)]
+    runs = [Run("unfused", distribute(unfused_lm, args.distributed, device), args.lr),
+            Run("fused", distribute(fused_lm, args.distributed, device), args.lr)]
+    rank = dist.get_rank() if dist.is_initialized() else 0
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     print(f"{'step':>5} {'unfused loss':>13} {'fused loss':>13} {'|diff|':>10}")
     logged = ([], [])
     for step in range(args.steps):
         rows = order[(step * args.batch_size + torch.arange(args.batch_size)) % len(train)]
+        rows = rows.tensor_split(world_size())[rank]  # this process's share
+        batch = train[rows]
         for run in runs:
-            run.step(train[rows])
+            run.step(batch, labels_of(batch, rows))
         if (step + 1) % args.log_every == 0:
             u, f = (statistics.mean(run.losses[-args.log_every:]) for run in runs)
             logged[0].append(u)
@@ -156,11 +218,16 @@ def main() -> int:
         print(f"{'peak MB per step':<26}{peak[0]:>10.1f}{peak[1]:>10.1f}")
     print(f"{'first logged rel. diff':<26}{rels[0]:>19.2e}   (tolerance {FIRST_RTOL:.0e})")
     print(f"{'max relative loss diff':<26}{max(rels):>19.2e}   (tolerance {LOSS_RTOL:.0e})")
-    save_loss_plot(args.plot, *logged, ("unfused (transformers)", "fused (fusedlayers.fuse)"),
-                   f"LlamaForCausalLM on stdlib bytes ({device.type}): as built vs fuse()",
-                   "train loss (nats per byte)", LOSS_RTOL,
-                   xlabel=f"steps (x {args.log_every})")
-    print(f"loss curves saved to {args.plot}")
+    if first:
+        save_loss_plot(args.plot, *logged, ("unfused (transformers)", "fused (fusedlayers.fuse)"),
+                       f"LlamaForCausalLM on stdlib bytes ({device.type}): as built vs fuse()",
+                       "train loss (nats per byte)", LOSS_RTOL,
+                       xlabel=f"steps (x {args.log_every})")
+        print(f"loss curves saved to {args.plot}")
+    if args.json and first:
+        with open(args.json, "w") as f:
+            json.dump({"processes": world_size(), "unfused": {"loss": logged[0]},
+                       "fused": {"loss": logged[1]}}, f)
 
     if rels[0] > FIRST_RTOL:
         failures.append(f"first logged losses differ by {rels[0]:.2e} relative > {FIRST_RTOL}")
@@ -172,6 +239,8 @@ def main() -> int:
         print(f"FAIL: {failure}", file=sys.stderr)
     if not failures:
         print("OK: both runs learn the text and their loss curves agree")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 1 if failures else 0
 
 

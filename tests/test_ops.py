@@ -403,8 +403,9 @@ def _sharded_samples():
     return out
 
 
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("op,s,rows", _sharded_samples())
-def test_jax_sharded_rows(op, s, rows, rng, jax):
+def test_jax_sharded_rows(op, s, rows, platform, rng, jax):
     """Under jit with x (and dy) split over two devices by their first dim, the op runs on each
     device's rows: its results are the unsplit call's (bitwise for y and dx, which each row
     computes alone, where the op is csrc's alone; XLA's dots of linear_gelu and parameter
@@ -412,11 +413,14 @@ def test_jax_sharded_rows(op, s, rows, rng, jax):
     no all-gather in the compiled program, except where relu_scale's mask would split a word."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    cpus = jax.devices("cpu")
-    if len(cpus) < 2:
-        pytest.skip("needs two JAX CPU devices (conftest sets "
-                    "XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts)")
-    mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("rows",))
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:  # no such backend
+        devices = []
+    if len(devices) < 2:
+        pytest.skip(f"needs two JAX {platform.upper()} devices (on the CPU conftest sets "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts)")
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("rows",))
     leaves = rounded(draw(op, s, rng), s, "float32")
     _, dy, scales = reference64(op, s, leaves, rng)
     present = [n for n, v in leaves.items() if v is not None and n not in s.nondiff]
@@ -437,7 +441,7 @@ def test_jax_sharded_rows(op, s, rows, rng, jax):
               *[jax.device_put(a, split if n in s.inputs() else whole)
                 for n, a in zip(present, args)]]
     fn = jax.jit(forward_and_grads)
-    with jax.default_device(cpus[0]):
+    with jax.default_device(devices[0]):
         y, grads = fn(dy_arrays, const_arrays, *args)
     ys, grads_s = fn(*placed)
     hlo = fn.lower(*placed).compile().as_text()
