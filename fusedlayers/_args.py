@@ -78,3 +78,14 @@ def linear_cross_entropy(reduction, num_items_in_batch, softcap, input_shape,
     if tuple(target_shape) != tuple(input_shape[:-1]):
         raise ValueError(f"{op}: target must have input's leading shape "
                          f"{list(input_shape[:-1])}, got {list(target_shape)}")
+
+
+def loss_layer(layer: str, reduction, **sizes) -> None:
+    """A loss layer's constructor rules (Keras' and Flax's LinearCrossEntropy): each size a
+    positive int, reduction one of LOSS_REDUCTIONS; ValueError naming the argument."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{layer}: {name} must be a positive integer, got {value!r}")
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"{layer}: reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got "
+                         f"{reduction!r}")

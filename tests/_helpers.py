@@ -247,3 +247,29 @@ def keras_hub_rotary(xp, x, max_wavelength=10000, scaling_factor=1.0):
     x1, x2 = xp.split(x, 2, axis=-1)
     rotated = xp.concatenate([-x2, x1], -1)
     return x * np.cos(emb) + rotated * np.sin(emb)
+
+
+# linear_cross_entropy's tests in TensorFlow and JAX: a float64 problem and torch's reference.
+LCE_OPTIONS = [dict(), dict(label_smoothing=0.1, softcap=2.0, z_loss=1e-2, ignore_index=5)]
+
+
+def lce_problem(n, h, v, bias, ignore_index=-100, seed=0):
+    """(x, w, b or None, t) in float64 NumPy: logits of a few units, 1 in 5 targets ignored."""
+    g = np.random.default_rng(seed)
+    x = g.normal(size=(n, h))
+    w = g.normal(size=(v, h)) / h ** 0.5 * 3
+    b = g.normal(size=v) if bias else None
+    t = g.integers(0, v, n)
+    t[g.random(n) < 0.2] = ignore_index
+    return x, w, b, t
+
+
+def lce_torch_reference(x, w, b, t, reduction, dy, options):
+    """(loss, [dx, dw, db]) of the unfused float64 computation for the cotangent dy."""
+    from fusedlayers.torch.linear_cross_entropy import reference
+    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    tb = None if b is None else torch.tensor(b, requires_grad=True)
+    loss = reference(tx, tw, torch.tensor(t), linear_bias=tb, reduction=reduction, **options)
+    grads = torch.autograd.grad(loss, [a for a in (tx, tw, tb) if a is not None],
+                                torch.tensor(dy))
+    return loss.detach().numpy(), [g.numpy() for g in grads]

@@ -7,16 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import rel_err, run_python
-from fusedlayers.torch.linear_cross_entropy import reference
+from _helpers import LCE_OPTIONS, lce_problem, lce_torch_reference, rel_err, run_python
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from fusedlayers.jax import linear_cross_entropy  # noqa: E402
-
-OPTIONS = [dict(), dict(label_smoothing=0.1, softcap=2.0, z_loss=1e-2, ignore_index=5)]
-
 
 @pytest.fixture
 def x64():
@@ -27,30 +23,11 @@ def x64():
     jax.config.update("jax_enable_x64", previous)
 
 
-def _problem(n, h, v, bias, ignore_index=-100, seed=0):
-    g = np.random.default_rng(seed)
-    x = g.normal(size=(n, h))
-    w = g.normal(size=(v, h)) / h ** 0.5 * 3
-    b = g.normal(size=v) if bias else None
-    t = g.integers(0, v, n)
-    t[g.random(n) < 0.2] = ignore_index
-    return x, w, b, t
-
-
-def _torch_reference(x, w, b, t, reduction, dy, options):
-    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
-    tb = None if b is None else torch.tensor(b, requires_grad=True)
-    loss = reference(tx, tw, torch.tensor(t), linear_bias=tb, reduction=reduction, **options)
-    grads = torch.autograd.grad(loss, [a for a in (tx, tw, tb) if a is not None],
-                                torch.tensor(dy))
-    return loss.detach().numpy(), [g.numpy() for g in grads]
-
-
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("options", LCE_OPTIONS, ids=lambda o: "-".join(o) or "plain")
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_reference(reduction, options, bias, x64, seed):
-    x, w, b, t = _problem(2500, 13, 41, bias, options.get("ignore_index", -100), seed)
+    x, w, b, t = lce_problem(2500, 13, 41, bias, options.get("ignore_index", -100), seed)
     args = [jnp.asarray(a) for a in (x, w) + ((b,) if bias else ())]
 
     def loss_fn(*args):
@@ -59,7 +36,7 @@ def test_matches_float64_reference(reduction, options, bias, x64, seed):
                                     reduction=reduction, **options)
     loss, vjp = jax.vjp(loss_fn, *args)
     dy = np.random.default_rng(seed).random(np.shape(loss)) + 0.5
-    want, grads_want = _torch_reference(x, w, b, t, reduction, dy, options)
+    want, grads_want = lce_torch_reference(x, w, b, t, reduction, dy, options)
     assert loss.dtype == jnp.float64 and loss.shape == want.shape
     assert rel_err(torch.tensor(np.asarray(loss)), torch.tensor(want)) <= 1e-12
     for got, ref in zip(vjp(jnp.asarray(dy)), grads_want):
@@ -68,7 +45,7 @@ def test_matches_float64_reference(reduction, options, bias, x64, seed):
 
 def test_check_grads_and_jit(x64):
     from jax.test_util import check_grads
-    x, w, b, t = _problem(9, 5, 11, True)
+    x, w, b, t = lce_problem(9, 5, 11, True)
     for reduction in ("mean", "none"):
         fn = jax.jit(lambda x, w, b, reduction=reduction: linear_cross_entropy(
             x, w, jnp.asarray(t), linear_bias=b, reduction=reduction, label_smoothing=0.1,
@@ -79,7 +56,7 @@ def test_check_grads_and_jit(x64):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_same_bits_as_torch_float32_and_close_in_bfloat16(dtype):
-    x, w, b, t = _problem(300, 32, 200, True)
+    x, w, b, t = lce_problem(300, 32, 200, True)
     jx, jw, jb = (jnp.asarray(a, dtype) for a in (x, w, b))
     loss, grads = jax.value_and_grad(
         lambda x, w, b: linear_cross_entropy(x, w, jnp.asarray(t, jnp.int32), linear_bias=b,
@@ -98,7 +75,7 @@ def test_same_bits_as_torch_float32_and_close_in_bfloat16(dtype):
 
 def test_errors():
     x, w, b, t = (jnp.asarray(a, jnp.float32) if a is not None and i < 3 else a
-                  for i, a in enumerate(_problem(6, 4, 7, True)))
+                  for i, a in enumerate(lce_problem(6, 4, 7, True)))
     t = jnp.asarray(t)
     with pytest.raises(ValueError, match="reduction must be one of mean, sum, none"):
         linear_cross_entropy(x, w, t, reduction="avg")

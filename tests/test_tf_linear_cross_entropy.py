@@ -8,34 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import rel_err
-from fusedlayers.torch.linear_cross_entropy import reference
+from _helpers import LCE_OPTIONS, lce_problem, lce_torch_reference, rel_err
 
 tf = pytest.importorskip("tensorflow")
 
 from fusedlayers.tensorflow import linear_cross_entropy  # noqa: E402
-
-OPTIONS = [dict(), dict(label_smoothing=0.1, softcap=2.0, z_loss=1e-2, ignore_index=5)]
-
-
-def _problem(n, h, v, bias, ignore_index=-100, seed=0):
-    g = np.random.default_rng(seed)
-    x = g.normal(size=(n, h))
-    w = g.normal(size=(v, h)) / h ** 0.5 * 3
-    b = g.normal(size=v) if bias else None
-    t = g.integers(0, v, n)
-    t[g.random(n) < 0.2] = ignore_index
-    return x, w, b, t
-
-
-def _torch_reference(x, w, b, t, reduction, dy, options):
-    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
-    tb = None if b is None else torch.tensor(b, requires_grad=True)
-    loss = reference(tx, tw, torch.tensor(t), linear_bias=tb, reduction=reduction, **options)
-    grads = torch.autograd.grad(loss, [a for a in (tx, tw, tb) if a is not None],
-                                torch.tensor(dy))
-    return loss.detach().numpy(), [g.numpy() for g in grads]
-
 
 def _value_and_grads(fn, params, dy):
     with tf.GradientTape() as tape:
@@ -46,10 +23,10 @@ def _value_and_grads(fn, params, dy):
 
 @pytest.mark.parametrize("mode", ["eager", "function", "unknown_batch", "xla"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("options", LCE_OPTIONS, ids=lambda o: "-".join(o) or "plain")
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_reference(mode, reduction, options, bias, seed):
-    x, w, b, t = _problem(2500, 13, 41, bias, options.get("ignore_index", -100), seed)
+    x, w, b, t = lce_problem(2500, 13, 41, bias, options.get("ignore_index", -100), seed)
     params = [tf.constant(a) for a in (x, w) + ((b,) if bias else ())]
     dy = np.random.default_rng(seed).random(() if reduction != "none" else t.shape) + 0.5
 
@@ -64,7 +41,7 @@ def test_matches_float64_reference(mode, reduction, options, bias, seed):
             [tf.TensorSpec(p.shape, tf.float64) for p in params[1:]]
         run = tf.function(run, input_signature=spec, jit_compile=mode == "xla")
     loss, grads = run(tf.constant(t), *params)
-    want, grads_want = _torch_reference(x, w, b, t, reduction, dy, options)
+    want, grads_want = lce_torch_reference(x, w, b, t, reduction, dy, options)
     assert loss.dtype == tf.float64 and tuple(loss.shape) == want.shape
     assert rel_err(torch.tensor(loss.numpy()), torch.tensor(want)) <= 1e-12
     for got, ref in zip(grads, grads_want):
@@ -72,7 +49,7 @@ def test_matches_float64_reference(mode, reduction, options, bias, seed):
 
 
 def test_compute_gradient():
-    x, w, b, t = _problem(9, 5, 11, True)
+    x, w, b, t = lce_problem(9, 5, 11, True)
     for reduction in ("mean", "none"):
         def fn(x, w, b, reduction=reduction):
             return linear_cross_entropy(x, w, tf.constant(t), linear_bias=b,
@@ -86,7 +63,7 @@ def test_compute_gradient():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_close_to_torch(dtype):
-    x, w, b, t = _problem(300, 32, 200, True)
+    x, w, b, t = lce_problem(300, 32, 200, True)
     tdt = getattr(torch, dtype)
     rounded = [torch.tensor(a).to(tdt) for a in (x, w, b)]
     params = [tf.constant(r.float().numpy(), getattr(tf, dtype)) for r in rounded]
@@ -106,7 +83,7 @@ def test_close_to_torch(dtype):
 
 def test_no_gradient_asked_runs_the_loss_alone():
     x, w, _, t = (tf.constant(a) if a is not None and i < 2 else a
-                  for i, a in enumerate(_problem(50, 6, 9, False)))
+                  for i, a in enumerate(lce_problem(50, 6, 9, False)))
     with tf.GradientTape() as tape:
         tape.watch(x)
         watched = linear_cross_entropy(x, w, t)
@@ -117,7 +94,7 @@ def test_no_gradient_asked_runs_the_loss_alone():
 
 def test_errors():
     x, w, b, t = (tf.constant(a, tf.float32) if a is not None and i < 3 else a
-                  for i, a in enumerate(_problem(6, 4, 7, True)))
+                  for i, a in enumerate(lce_problem(6, 4, 7, True)))
     t = tf.constant(t)
     invalid = tf.errors.InvalidArgumentError
     with pytest.raises(invalid, match="reduction must be one of mean, sum, none"):

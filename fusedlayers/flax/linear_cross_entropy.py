@@ -29,13 +29,8 @@ class LinearCrossEntropy(nnx.Module):
                  z_loss: float = 0.0, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), embedding: nnx.Param | None = None,
                  rngs: nnx.Rngs):
-        for name, value in (("in_features", in_features), ("vocab_size", vocab_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LinearCrossEntropy: {name} must be a positive integer, got "
-                                 f"{value!r}")
-        if reduction not in _args.LOSS_REDUCTIONS:
-            raise ValueError(f"LinearCrossEntropy: reduction must be one of "
-                             f"{', '.join(_args.LOSS_REDUCTIONS)}, got {reduction!r}")
+        _args.loss_layer("LinearCrossEntropy", reduction, in_features=in_features,
+                         vocab_size=vocab_size)
         self.reduction, self.ignore_index = reduction, ignore_index
         self.label_smoothing, self.softcap, self.z_loss = label_smoothing, softcap, z_loss
         self.dtype = dtype

@@ -33,12 +33,7 @@ class LinearCrossEntropy(FusedLayer):
                  softcap: float | None = None, z_loss: float = 0.0,
                  tied_embedding: keras.layers.Embedding | None = None,
                  kernel_initializer="glorot_uniform", **kwargs):
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-            raise ValueError(f"LinearCrossEntropy: vocab_size must be a positive integer, got "
-                             f"{vocab_size!r}")
-        if reduction not in _args.LOSS_REDUCTIONS:
-            raise ValueError(f"LinearCrossEntropy: reduction must be one of "
-                             f"{', '.join(_args.LOSS_REDUCTIONS)}, got {reduction!r}")
+        _args.loss_layer("LinearCrossEntropy", reduction, vocab_size=vocab_size)
         super().__init__(**kwargs)
         self.vocab_size, self.use_bias, self.reduction = vocab_size, use_bias, reduction
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
