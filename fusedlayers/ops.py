@@ -10,8 +10,9 @@ provides is fixed by name (docs/DESIGN.md, "Adding an op"):
 
 - `fusedlayers/torch/<name>.py`: `__all__` (exported by fusedlayers.torch), `reference` (the
   unfused computation in stock torch ops), `DECOMPOSITIONS` (Inductor's lowering of each
-  operator), `bench_case(shape, dtype, device, peers)`, and `FUSED_MODULE` when fuse() swaps
-  modules for it by the module's own `fuse_candidates` rule;
+  operator; none where Inductor keeps it whole, with `EXPORT_DECOMPOSITIONS` for ONNX export),
+  `bench_case(shape, dtype, device, peers)`, and `FUSED_MODULE` when fuse() swaps modules for
+  it by the module's own `fuse_candidates` rule;
 - `fusedlayers/tensorflow/<name>.py`: `__all__` and `bench_case(shape, dtype)`;
 - `fusedlayers/jax/<name>.py`: `__all__` and `bench_case(shape, dtype)`;
 - `fusedlayers/keras/<name>.py`: `__all__`; a layer with `fuse_replaces` (the Keras layer class it

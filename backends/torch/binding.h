@@ -11,6 +11,7 @@
 #include <string>
 
 #include "csrc/common.h"
+#include "csrc/gemm.h"
 
 #ifdef FUSEDLAYERS_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -102,6 +103,14 @@ inline TensorRef ref(const at::Tensor& t) {
   return {t.data_ptr(), to_dtype(t.scalar_type()), sizes(t.sizes()), true};
 }
 inline TensorRef ref(const std::optional<at::Tensor>& t) { return t ? ref(*t) : TensorRef{}; }
+
+// An ATen view of a gemm.h Matrix with `options` (its stored layout, transposed where it is).
+inline at::Tensor matrix_view(const Matrix& m, const at::TensorOptions& options) {
+  const at::Tensor stored = at::from_blob(
+      const_cast<void*>(m.data), {m.transposed ? m.cols : m.rows, m.transposed ? m.rows : m.cols},
+      options);
+  return m.transposed ? stored.t() : stored;
+}
 
 inline std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
   return t ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;

@@ -13,17 +13,11 @@ FrameworkGemm aten_gemm(const at::Tensor& like) {
   return [options = like.options()](const Matrix& a, const Matrix& b, void* c, DType dtype,
                                     bool accumulate) {
     const auto typed = options.dtype(to_scalar_type(dtype));
-    const auto view = [&](const Matrix& m) {
-      const at::Tensor stored = at::from_blob(const_cast<void*>(m.data),
-                                              {m.transposed ? m.cols : m.rows,
-                                               m.transposed ? m.rows : m.cols}, typed);
-      return m.transposed ? stored.t() : stored;
-    };
     at::Tensor out = at::from_blob(c, {a.rows, b.cols}, typed);
     if (accumulate)
-      out.addmm_(view(a), view(b));
+      out.addmm_(matrix_view(a, typed), matrix_view(b, typed));
     else
-      at::mm_out(out, view(a), view(b));
+      at::mm_out(out, matrix_view(a, typed), matrix_view(b, typed));
   };
 }
 

@@ -51,14 +51,8 @@ void cpu_gemm(const Matrix& a, const Matrix& b, void* c, DType dtype) {
   constexpr bool native_half = true;  // ATen's own choice elsewhere (oneDNN on Arm's FP16)
 #endif
   const auto options = at::TensorOptions().dtype(to_scalar_type(dtype));
-  const auto view = [&](const Matrix& m) {
-    const at::Tensor stored = at::from_blob(const_cast<void*>(m.data),
-                                            {m.transposed ? m.cols : m.rows,
-                                             m.transposed ? m.rows : m.cols}, options);
-    return m.transposed ? stored.t() : stored;
-  };
   at::Tensor out = at::from_blob(c, {a.rows, b.cols}, options);
-  const at::Tensor av = view(a), bv = view(b);
+  const at::Tensor av = matrix_view(a, options), bv = matrix_view(b, options);
   if (dtype == DType::kFloat16 && !native_half)
     out.copy_(at::mm(av.to(at::kFloat), bv.to(at::kFloat)));
   else
