@@ -122,7 +122,7 @@ import ctypes, resource, torch
 from fusedlayers.bench import ops
 # glibc's initial thresholds, fixed: left dynamic, they rise after the first free of an mmapped
 # block and whether a call's two 16 MiB temporaries then exceed the trim threshold depends on
-# what else sits at the heap's top (measured: trimmed in 1 call of 5 in one environment).
+# what else sits at the heap's top.
 mallopt = ctypes.CDLL(None).mallopt
 mallopt(ops.M_MMAP_THRESHOLD, 128 << 10)
 mallopt(ops.M_TRIM_THRESHOLD, 128 << 10)
