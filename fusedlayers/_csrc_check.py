@@ -1,5 +1,6 @@
 """csrc's argument checks for static shapes, dtypes and attributes, called through the C symbols
-fusedlayers_xla_<op>_check (backends/xla/<op>.cc) of a loaded library: the JAX library, and the
+fusedlayers_xla_<op>_check (backends/xla/<op>.cc) of a loaded library, and csrc's rows per chunk
+of linear_cross_entropy: the JAX library, and the
 TensorFlow op library, which compiles the same XLA sources. A framework's ops call `run` while
 tracing, so csrc words the error before anything runs. Imports no framework."""
 
@@ -54,3 +55,11 @@ def run(lib, op: str, csrc_dtype, *arguments) -> tuple[int, str]:
     message = ctypes.create_string_buffer(1024)
     kind = getattr(lib, f"fusedlayers_xla_{op}_check")(*c_arguments, message, len(message))
     return kind, message.value.decode()
+
+
+def chunk_rows(lib, n: int, h: int, v: int) -> int:
+    """csrc's rows per chunk of linear_cross_entropy for n rows, h features and v words
+    (fusedlayers_xla_linear_cross_entropy_chunk_rows, int64 in and out)."""
+    fn = lib.fusedlayers_xla_linear_cross_entropy_chunk_rows
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] * 3
+    return int(fn(n, h, v))

@@ -86,7 +86,7 @@ def load() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(path))
         size = lib.fusedlayers_xla_workspace_size
-        rows = lib.fusedlayers_xla_linear_cross_entropy_chunk_rows
+        lib.fusedlayers_xla_linear_cross_entropy_chunk_rows  # noqa: B018 (of these sources)
     except (OSError, AttributeError) as e:  # AttributeError: built from other sources
         raise NotBuiltError(f"fusedlayers: the JAX library {path} does not load ({e}). Rebuild "
                             f"it with `{BUILD_COMMAND}`.") from e
@@ -104,6 +104,4 @@ def load() -> ctypes.CDLL:
         gemm = lib.fusedlayers_xla_linear_gelu_gemm_workspace_size
         gemm.restype = ctypes.c_size_t
         gemm.argtypes = [ctypes.c_bool, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    rows.restype = ctypes.c_int64
-    rows.argtypes = [ctypes.c_int64] * 3
     return lib

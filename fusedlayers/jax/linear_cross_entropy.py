@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _args
+from .. import _args, _csrc_check
 from . import _op
 
 __all__ = ["linear_cross_entropy"]
@@ -68,7 +68,7 @@ def _loop(x, w, b, t, scale, options):
     ignore_index, label_smoothing, softcap, z_loss = options
     n, h = x.shape
     v = w.shape[0]
-    c = int(_op.lib.fusedlayers_xla_linear_cross_entropy_chunk_rows(n, h, v)) if n else 1
+    c = _csrc_check.chunk_rows(_op.lib, n, h, v) if n else 1
     k = max(-(-n // c), 1)
     pad = k * c - n
     acc = _loss_dtype(x)

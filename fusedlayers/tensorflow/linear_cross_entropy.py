@@ -8,7 +8,7 @@ included) and under XLA (jit_compile=True: the chunk op's XLA kernel is JAX's cu
 import numpy as np
 import tensorflow as tf
 
-from .. import _args
+from .. import _args, _csrc_check
 from . import _op
 
 __all__ = ["linear_cross_entropy"]
@@ -77,7 +77,7 @@ def _loop(x, w, b, t, scale, n, options):
     h, v = x.shape[1], w.shape[0]
     if n is not None:  # static: the loop's sizes as Python ints
         rows = n
-        c = int(_op.clib.fusedlayers_xla_linear_cross_entropy_chunk_rows(n, h, v)) if n else 1
+        c = _csrc_check.chunk_rows(_op.clib, n, h, v) if n else 1
     else:
         rows = tf.shape(x, out_type=tf.int64)[0]
         c = _op.lib.fusedlayers_linear_cross_entropy_chunk_rows(rows, hidden=h, vocab=v)
