@@ -9,9 +9,10 @@ namespace fusedlayers {
 namespace {
 
 constexpr const char* kOp = "linear_cross_entropy";
-// A chunk of at least this many rows, so that dW's read-modify-write per chunk is amortized
-// over a GEMM of that depth; larger where the input itself is larger than such a chunk.
-constexpr int64_t kMinChunkRows = 1024;
+// A chunk of at least this many rows: the dX GEMM of a chunk (rows x H) fills the GPU, and dW's
+// read-modify-write per chunk is amortized over a GEMM of that depth; larger where the input
+// itself is larger than such a chunk's logits.
+constexpr int64_t kMinChunkRows = 2048;
 
 size_t dtype_size(DType t) {
   return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2;
