@@ -126,14 +126,14 @@ def rope(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, softcap: float | None = None,
-                         z_loss: float = 0.0, num_items_in_batch=None):
+                         z_loss: float = 0.0, num_items_in_batch=None, loss_dtype=None):
     """cross_entropy(softcap(input @ linear_weight^T + linear_bias), target) without the logits,
-    with PyTorch's F.linear_cross_entropy arguments plus softcap, z_loss and
-    num_items_in_batch. See fusedlayers.torch.linear_cross_entropy for shapes, dtypes and
-    errors."""
+    with PyTorch's F.linear_cross_entropy arguments plus softcap, z_loss, num_items_in_batch and
+    loss_dtype (the loss in that dtype from its float32 value; default input's dtype). See
+    fusedlayers.torch.linear_cross_entropy for shapes, dtypes and errors."""
     backend = _backend(input, "linear_cross_entropy", "input", linear_weight=linear_weight,
                        target=target, linear_bias=linear_bias)
     return backend.linear_cross_entropy(
         input, linear_weight, target, linear_bias=linear_bias, reduction=reduction,
         ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-        z_loss=z_loss, num_items_in_batch=num_items_in_batch)
+        z_loss=z_loss, num_items_in_batch=num_items_in_batch, loss_dtype=loss_dtype)

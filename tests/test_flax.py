@@ -128,3 +128,8 @@ def test_linear_cross_entropy_module(tied, rng):
     assert rel_err(np.asarray(grad["kernel"][...]), np.asarray(grad_want)) <= 1e-5
     with pytest.raises(ValueError, match="reduction must be one of"):
         flf.LinearCrossEntropy(h, v, reduction="avg", rngs=nnx.Rngs(0))
+    # in bfloat16 the loss is float32, not rounded through bfloat16 (21 rows: not all bf16 values)
+    half = flf.LinearCrossEntropy(h, v, reduction="none", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rows = half(x, t)
+    assert rows.dtype == jnp.float32 and half(x, t).shape == t.shape
+    assert not np.array_equal(np.asarray(rows), np.asarray(rows.astype(jnp.bfloat16), np.float32))

@@ -17,7 +17,8 @@ from fusedlayers.torch import fuse
 transformers.logging.set_verbosity_error()
 
 VOCAB = 96
-MODELS = {"llama": ("Llama", {}), "qwen2-tied": ("Qwen2", dict(tie_word_embeddings=True)),
+MODELS = {"llama": ("Llama", {}), "qwen3": ("Qwen3", {}),
+          "qwen2-tied": ("Qwen2", dict(tie_word_embeddings=True)),
           "gemma2-softcap": ("Gemma2", dict(final_logit_softcapping=3.0))}
 
 
@@ -158,3 +159,22 @@ def test_under_autocast_and_in_bfloat16(seed):
         assert out.logits is None and rel_err(out.loss, ref.loss) <= 2e-2
         out.loss.backward()
         assert all(p.grad is not None and p.grad.dtype == dtype for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("precision", ["bfloat16", "float16", "autocast"])
+def test_logged_loss_is_the_unfused_float32_loss(name, precision):
+    # Hugging Face upcasts the logits and returns a float32 loss; so does the fused model, from
+    # its float32 row losses (a loss rounded to bfloat16 is up to 2^-9 off: stairs in a curve)
+    dtype = torch.float32 if precision == "autocast" else getattr(torch, precision)
+    model = causal_lm(name).to(dtype).train()
+    original = copy.deepcopy(model)
+    fuse(model)
+    for seed in range(3):
+        ids, labels = batch(seed)
+        for extra in ({}, dict(num_items_in_batch=torch.tensor(40))):
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "autocast"):
+                got = model(input_ids=ids, labels=labels, **extra).loss
+                want = original(input_ids=ids, labels=labels, **extra).loss
+            assert got.dtype == want.dtype == torch.float32
+            assert rel_err(got, want) <= 2e-4, (seed, extra, float(got), float(want))

@@ -133,3 +133,21 @@ def test_rows_sharded_over_two_devices(platform):
     gathers, sums = (int(v) for v in out.split()[1::2])
     assert sums >= 1  # dW (and the loss) summed across the devices
     assert gathers == 0, out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_dtype_float32_is_the_float32_loss(reduction, seed):
+    x, w, _, t = lce_problem(300, 32, 1000, False, seed=seed)
+    xb, wb, tj = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(t)
+    got = linear_cross_entropy(xb, wb, tj, reduction=reduction, loss_dtype=jnp.float32)
+    default = linear_cross_entropy(xb, wb, tj, reduction=reduction)
+    assert got.dtype == jnp.float32 and default.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(default), np.asarray(got.astype(jnp.bfloat16)))
+    # the loss of the op's bfloat16 logits in float64 (a bfloat16 loss is up to 2^-8 off)
+    logits = jnp.dot(xb, wb.T, preferred_element_type=jnp.float32,
+                     precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
+    want = torch.nn.functional.cross_entropy(torch.tensor(np.asarray(logits, np.float64)),
+                                             torch.tensor(t), reduction=reduction)
+    assert rel_err(torch.tensor(np.asarray(got, np.float64)), want) <= 1e-4
+    with pytest.raises(TypeError, match="loss_dtype must be None or a floating dtype"):
+        linear_cross_entropy(xb, wb, tj, loss_dtype=jnp.int32)

@@ -77,3 +77,31 @@ def test_fit_trains_on_the_fused_loss(backend, seed):
     done = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=seed)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+MIXED = textwrap.dedent("""
+    import numpy as np, keras
+    import fusedlayers.keras as flk
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    rng = np.random.default_rng({seed})
+    x = rng.normal(size=(4, 9, 16)).astype("float32")
+    t = rng.integers(0, 37, (4, 9)).astype("int32")
+    for reduction in ("mean", "none"):
+        loss = flk.LinearCrossEntropy(37, reduction=reduction)(x, t)
+        assert keras.backend.standardize_dtype(loss.dtype) == "float32", loss.dtype
+    # not rounded through bfloat16: 36 row losses are not all bfloat16 values
+    rows = np.asarray(keras.ops.convert_to_numpy(loss), np.float32)
+    assert not np.array_equal(rows, rows.astype("bfloat16").astype("float32")), rows
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
+def test_mixed_precision_loss_is_float32(backend, seed):
+    pytest.importorskip(backend)
+    pytest.importorskip("ml_dtypes")
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", MIXED.format(seed=seed)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from _helpers import DEVICES, rel_err
 from fusedlayers.torch import linear_cross_entropy
@@ -40,7 +41,7 @@ def _grads(loss, tensors, dy):
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_reference(device, reduction, options, bias):
-    # 2500 rows: three chunks of rows; float32 against float64's exact loss and gradients
+    # 2500 rows: two chunks of rows (the second partial); float32 against float64's exact loss and gradients
     n, h, v = 2500, 19, 53
     dtype = torch.float32 if device == "cuda" else torch.float64
     x, w, b, t = _problem(n, h, v, dtype, device, bias, options.get("ignore_index", -100))
@@ -56,6 +57,43 @@ def test_matches_float64_reference(device, reduction, options, bias):
     ref = _grads(want, (x64, w64, b64), dy)
     for a, r in zip(got, ref):
         assert rel_err(a.double(), r) <= tol * 10
+
+
+CUDA = DEVICES[1]
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("dtype,v", [(torch.float32, 60007), (torch.bfloat16, 32000),
+                                     (torch.bfloat16, 120001), (torch.float16, 9)])
+@pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.1, softcap=20.0, z_loss=1e-4)],
+                         ids=["plain", "all"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_row_pass_wide_and_odd_rows(device, dtype, v, options, bias, seed):
+    # rows whose logits are 16-byte aligned or not, wider than a block's shared memory (float32
+    # 60007, bfloat16 120001) or not, vocabularies under one vector; ignored rows and a row of
+    # an out-of-range target (NaN); against float64 on the op's own logits
+    n = 37
+    x, w, b, t = _problem(n, 24, v, dtype, device, bias, seed=seed)
+    t[3] = v + 5
+    loss = linear_cross_entropy(x, w, t, linear_bias=b, reduction="none", **options,
+                                loss_dtype=torch.float32)
+    assert torch.isnan(loss[3]) and not torch.isnan(loss[torch.arange(n) != 3]).any()
+    kept = torch.arange(n, device=device) != 3
+    x, t = x.detach()[kept].requires_grad_(), t[kept]
+    loss = linear_cross_entropy(x, w, t, linear_bias=b, reduction="sum", **options,
+                                loss_dtype=torch.float32)
+    # the op adds the bias to the GEMM's logits in float32
+    u = F.linear(x, w).double() + (0 if b is None else b.double())
+    u = u.detach().requires_grad_()
+    cap = options.get("softcap")
+    z = cap * torch.tanh(u / cap) if cap else u
+    rows = F.cross_entropy(z, t, reduction="none", label_smoothing=options.get("label_smoothing", 0))
+    want = (rows + options.get("z_loss", 0) * torch.logsumexp(z, -1) ** 2 * (t != -100)).sum()
+    assert rel_err(loss.double(), want) <= 2e-6
+    du, = torch.autograd.grad(want, u)
+    dx = du.to(dtype).double() @ w.double()  # du rounded to dtype, as the op's GEMMs take it
+    got, = torch.autograd.grad(loss, x)
+    assert rel_err(got.double(), dx) <= (2e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -105,6 +143,28 @@ def test_half_precision(device, dtype):
     assert rel_err(loss.double(), want) <= 1e-2
     for a, r in zip(torch.autograd.grad(loss, (x, w, b)), torch.autograd.grad(want, (x64, w64, b64))):
         assert rel_err(a.double(), r) <= 3e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_loss_dtype_float32_is_the_float32_loss(device, dtype, reduction, seed):
+    x, w, _, t = _problem(300, 32, 1000, dtype, device, False, seed=seed)
+    got = linear_cross_entropy(x, w, t, reduction=reduction, loss_dtype=torch.float32)
+    default = linear_cross_entropy(x, w, t, reduction=reduction)
+    assert got.dtype == torch.float32 and default.dtype == dtype
+    assert torch.equal(default, got.to(dtype))  # the default: the same value, rounded
+    # the loss of the same logits (the op's GEMM rounds them to dtype, as F.linear) in float64:
+    # within float32's sums, where a result rounded to dtype is up to 2^-8 off
+    logits = F.linear(x.detach(), w.detach()).double()
+    want = F.cross_entropy(logits, t, reduction=reduction)
+    assert rel_err(got.double(), want) <= 1e-4
+    grads = torch.autograd.grad(got.sum(), (x, w))
+    for g, r in zip(grads, torch.autograd.grad(default.sum(), (x, w))):
+        assert g.dtype == dtype and torch.equal(g, r)
+    with pytest.raises(TypeError, match="loss_dtype must be None or a floating dtype"):
+        linear_cross_entropy(x, w, t, loss_dtype=torch.int64)
+    assert linear_cross_entropy(x, w, t, loss_dtype="float32").dtype == torch.float32
 
 
 def test_autocast_runs_in_its_dtype_with_float32_parameters():

@@ -111,3 +111,20 @@ def test_errors():
         linear_cross_entropy(x, w, t[:5])
     with pytest.raises(invalid, match=r"target must be in \[0, 7\)"):
         linear_cross_entropy(x, w, tf.constant([0, 1, 2, 3, 4, 70]))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_dtype_float32_is_the_float32_loss(reduction, seed):
+    x, w, _, t = lce_problem(300, 32, 1000, False, seed=seed)
+    xb, wb = tf.constant(x, tf.bfloat16), tf.constant(w, tf.bfloat16)
+    got = linear_cross_entropy(xb, wb, t, reduction=reduction, loss_dtype=tf.float32)
+    default = linear_cross_entropy(xb, wb, t, reduction=reduction)
+    assert got.dtype == tf.float32 and default.dtype == tf.bfloat16
+    assert np.array_equal(default.numpy(), tf.cast(got, tf.bfloat16).numpy())
+    # the loss of the op's bfloat16 logits (TF's matmul) in float64
+    logits = tf.matmul(xb, wb, transpose_b=True)
+    want = torch.nn.functional.cross_entropy(
+        torch.tensor(tf.cast(logits, tf.float64).numpy()), torch.tensor(t), reduction=reduction)
+    assert rel_err(torch.tensor(got.numpy().astype(np.float64)), want) <= 1e-4
+    with pytest.raises(TypeError, match="loss_dtype must be None or a floating dtype"):
+        linear_cross_entropy(xb, wb, t, loss_dtype=tf.int32)

@@ -20,7 +20,8 @@ class LinearCrossEntropy(nnx.Module):
     bias (vocab_size,) with use_bias. dtype: the computation's (default: x's); param_dtype the
     parameters'. reduction, ignore_index, label_smoothing, softcap (Gemma 2) and z_loss (PaLM) as
     fusedlayers.jax.linear_cross_entropy. Returns a scalar ('mean', 'sum') or target's shape
-    ('none') in the computation dtype. Raises ValueError for a non-positive size or a bad
+    ('none') in float32 (float64 for a float64 computation), computed from its float32 value and
+    never rounded through a half-precision computation dtype (as optax's losses on upcast logits). Raises ValueError for a non-positive size or a bad
     reduction, and what fusedlayers.jax.linear_cross_entropy raises (while tracing)."""
 
     def __init__(self, in_features: int, vocab_size: int, *, use_bias: bool = False,
@@ -45,4 +46,5 @@ class LinearCrossEntropy(nnx.Module):
             linear_bias=None if self.bias is None else self.bias[...].astype(dtype),
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, softcap=self.softcap, z_loss=self.z_loss,
-            num_items_in_batch=num_items_in_batch)
+            num_items_in_batch=num_items_in_batch,
+            loss_dtype=jnp.promote_types(dtype, jnp.float32))

@@ -21,20 +21,27 @@ _OP = "linear_cross_entropy"
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, softcap: float | None = None,
-                         z_loss: float = 0.0, num_items_in_batch=None) -> jax.Array:
+                         z_loss: float = 0.0, num_items_in_batch=None,
+                         loss_dtype=None) -> jax.Array:
     """cross_entropy(softcap(input @ linear_weight^T + linear_bias), target) without the
     (..., V) logits, as fusedlayers.torch.linear_cross_entropy (PyTorch's
     F.linear_cross_entropy arguments, plus softcap, z_loss and num_items_in_batch).
 
     input (..., H), linear_weight (V, H), linear_bias (V,) of one float dtype; target integer
-    (...). Returns input's dtype: a scalar, or target's shape for reduction 'none'. Rows run in
-    chunks (csrc's rule: at least 1024 rows, or input's size in logits); each chunk's logits are
+    (...). Returns a scalar, or target's shape for reduction 'none', in input's dtype or in
+    `loss_dtype` (a floating dtype: the float32 loss, float64 for float64 input, cast to it,
+    never rounded through input's dtype; Flax's LinearCrossEntropy asks for float32). Rows run in
+    chunks (csrc's rule: at least 2048 rows, or input's size in logits); each chunk's logits are
     XLA's dot rounded to input's dtype, then csrc's pass. With 'mean' or 'sum' the gradients are
     formed in the forward pass of jax.grad / jax.vjp and scaled in the backward; with 'none' the
     backward recomputes the logits. While tracing, raises ValueError for a bad reduction, shapes
     or options and TypeError for dtypes (csrc's checks); a target outside [0, V) other than
     ignore_index gives its row an error on the CPU and a NaN loss on CUDA."""
     x, w, b = _op.prepare(_OP, input=input, linear_weight=linear_weight, linear_bias=linear_bias)
+    out_dtype = x.dtype if loss_dtype is None else jnp.dtype(loss_dtype)
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"fusedlayers.{_OP}: loss_dtype must be None or a floating dtype, got "
+                        f"{loss_dtype!r}")
     target = jnp.asarray(target)
     if not jnp.issubdtype(target.dtype, jnp.integer):
         raise TypeError(f"fusedlayers.{_OP}: target must be an integer array, got {target.dtype}")
@@ -46,7 +53,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
     options = (int(ignore_index), float(label_smoothing), float(softcap or 0.0), float(z_loss))
     _op.check(_OP, x2, w, b, t.shape[0], *map(np.float64, options[1:]))
     items = None if num_items_in_batch is None else jnp.asarray(num_items_in_batch)
-    loss = _lce(x2, w, b, t, items, reduction, options)
+    loss = _lce(x2, w, b, t, items, reduction, options, out_dtype)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -121,24 +128,24 @@ def _reduce(rows, reduction, scale, dtype):
     return (rows if reduction == "none" else rows.sum() * scale[0]).astype(dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _lce(x, w, b, t, items, reduction, options):
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _lce(x, w, b, t, items, reduction, options, out_dtype):
     rows = _loop(x, w, b, t, None, options)[0]
     if reduction == "none":
-        return rows.astype(x.dtype)
-    return _reduce(rows, reduction, _scale(t, items, reduction, options[0], x), x.dtype)
+        return rows.astype(out_dtype)
+    return _reduce(rows, reduction, _scale(t, items, reduction, options[0], x), out_dtype)
 
 
-def _lce_fwd(x, w, b, t, items, reduction, options):
+def _lce_fwd(x, w, b, t, items, reduction, options, out_dtype):
     if reduction == "none":  # per-row weights come with the backward: recomputed there
         rows = _loop(x, w, b, t, None, options)[0]
-        return rows.astype(x.dtype), (x, w, b, t, None)
+        return rows.astype(out_dtype), (x, w, b, t, None)
     scale = _scale(t, items, reduction, options[0], x)
     rows, dx, dw, db = _loop(x, w, b, t, scale, options)
-    return _reduce(rows, reduction, scale, x.dtype), (dx, dw, db, t, items)
+    return _reduce(rows, reduction, scale, out_dtype), (dx, dw, db, t, items)
 
 
-def _lce_bwd(reduction, options, saved, g):
+def _lce_bwd(reduction, options, out_dtype, saved, g):
     zero_t = np.zeros(saved[3].shape, jax.dtypes.float0)
     if reduction == "none":
         x, w, b, t, _ = saved

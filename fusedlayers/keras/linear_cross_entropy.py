@@ -21,7 +21,9 @@ class LinearCrossEntropy(FusedLayer):
     that matrix's values (`tied_embedding`) instead of owning one. reduction 'mean' (over
     targets other than ignore_index, or over num_items_in_batch when given), 'sum' or 'none'
     (per target, 0 where ignored); label_smoothing, softcap (Gemma 2) and z_loss (PaLM) as
-    fusedlayers.torch.linear_cross_entropy. Returns the loss in the compute dtype; a 'mean' or
+    fusedlayers.torch.linear_cross_entropy. Returns the loss in float32 (float64 for a float64
+    compute dtype), computed from its float32 value, as Keras' own losses are under mixed
+    precision: never rounded through a half-precision compute dtype; a 'mean' or
     'sum' loss is also added to the layer's losses (`add_loss`), so a model whose output it is
     trains with `compile(optimizer)` and `fit` and no loss argument. Raises ValueError for a
     non-positive vocab_size or a bad reduction, and what the backend's op raises for shapes and
@@ -58,14 +60,17 @@ class LinearCrossEntropy(FusedLayer):
             linear_bias=None if self.bias is None else ops.cast(self.bias, dtype),
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, softcap=self.softcap, z_loss=self.z_loss,
-            num_items_in_batch=num_items_in_batch)
+            num_items_in_batch=num_items_in_batch, loss_dtype=self._loss_dtype())
         if self.reduction != "none":
             self.add_loss(loss)
         return loss
 
+    def _loss_dtype(self) -> str:
+        return "float64" if self.compute_dtype == "float64" else "float32"
+
     def compute_output_spec(self, inputs, target, num_items_in_batch=None):
         shape = tuple(target.shape) if self.reduction == "none" else ()
-        return keras.KerasTensor(shape, dtype=self.compute_dtype)
+        return keras.KerasTensor(shape, dtype=self._loss_dtype())
 
     def get_config(self):
         if self.tied_embedding is not None:

@@ -20,20 +20,27 @@ _OP = "linear_cross_entropy"
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, softcap: float | None = None,
-                         z_loss: float = 0.0, num_items_in_batch=None) -> tf.Tensor:
+                         z_loss: float = 0.0, num_items_in_batch=None,
+                         loss_dtype=None) -> tf.Tensor:
     """cross_entropy(softcap(input @ linear_weight^T + linear_bias), target) without the
     (..., V) logits, as fusedlayers.torch.linear_cross_entropy (PyTorch's
     F.linear_cross_entropy arguments, plus softcap, z_loss and num_items_in_batch).
 
     input (..., H), linear_weight (V, H), linear_bias (V,) of one float dtype, H and V static;
-    target integer (...). Returns input's dtype: a scalar, or target's shape for reduction
-    'none'. Rows run in chunks (csrc's rule: at least 1024 rows, or input's size in logits);
+    target integer (...). Returns a scalar, or target's shape for reduction 'none', in input's
+    dtype or in `loss_dtype` (a floating dtype: the float32 loss, float64 for float64 input,
+    cast to it, never rounded through input's dtype; Keras' LinearCrossEntropy asks for
+    float32). Rows run in chunks (csrc's rule: at least 2048 rows, or input's size in logits);
     each chunk's logits are TF's matmul in input's dtype, then csrc's pass. With 'mean' or
     'sum' the gradients are formed in the forward pass and scaled by the backward; with 'none'
     the backward recomputes the logits. Raises InvalidArgumentError for a bad argument (csrc's
     message where csrc checks it); a target outside [0, V) other than ignore_index fails the op
     on the CPU and gives its row a NaN loss on CUDA."""
     x, w = _op.prepare(_OP, input=input, linear_weight=linear_weight)
+    out_dtype = x.dtype if loss_dtype is None else tf.as_dtype(loss_dtype)
+    if not out_dtype.is_floating:
+        raise TypeError(f"fusedlayers.{_OP}: loss_dtype must be None or a floating dtype, got "
+                        f"{loss_dtype!r}")
     b = None if linear_bias is None else _op.prepare(_OP, linear_bias=linear_bias)[0]
     target = tf.convert_to_tensor(target)
     if not target.dtype.is_integer:
@@ -61,7 +68,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
     x2 = tf.reshape(x, [-1, h])
     t = tf.cast(tf.reshape(target, [-1]), tf.int64)
     items = None if num_items_in_batch is None else tf.convert_to_tensor(num_items_in_batch)
-    loss = _lce(x2, w, b, t, items, n, reduction, options)
+    loss = _lce(x2, w, b, t, items, n, reduction, options, out_dtype)
     return tf.reshape(loss, tf.shape(target)) if reduction == "none" else loss
 
 
@@ -143,13 +150,13 @@ except ImportError:  # another TF layout: form the gradients as if recorded
         return True
 
 
-def _lce(x, w, b, t, items, n, reduction, options):
+def _lce(x, w, b, t, items, n, reduction, options, out_dtype):
     params = [x, w] + ([b] if b is not None else [])
     acc = _loss_dtype(x)
     if reduction != "none" and not _recorded(params):  # no backward: one GEMM per chunk
         rows = _loop(x, w, b, t, None, n, options)[0]
         return tf.cast(tf.reduce_sum(rows) * _scale(t, items, reduction, options[0], x)[0],
-                       x.dtype)
+                       out_dtype)
 
     @tf.custom_gradient
     def run(*params):
@@ -162,13 +169,13 @@ def _lce(x, w, b, t, items, n, reduction, options):
                 _, dx, dw, db = _loop(x, w, b, t, tf.reshape(tf.cast(dy, acc), [-1]), n,
                                       options)
                 return [dx, dw] + ([db] if b is not None else [])
-            return tf.cast(rows, x.dtype), recompute
+            return tf.cast(rows, out_dtype), recompute
         scale = _scale(t, items, reduction, options[0], x)
         rows, dx, dw, db = _loop(x, w, b, t, scale, n, options)
 
         def scaled(dy):
             return [g * tf.cast(dy, g.dtype) for g in (dx, dw, db) if g is not None]
-        return tf.cast(tf.reduce_sum(rows) * scale[0], x.dtype), scaled
+        return tf.cast(tf.reduce_sum(rows) * scale[0], out_dtype), scaled
 
     return run(*params)
 

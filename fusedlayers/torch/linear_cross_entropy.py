@@ -19,7 +19,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                          *, linear_bias: torch.Tensor | None = None, reduction: str = "mean",
                          ignore_index: int = -100, label_smoothing: float = 0.0,
                          softcap: float | None = None, z_loss: float = 0.0,
-                         num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+                         num_items_in_batch: int | torch.Tensor | None = None,
+                         loss_dtype: torch.dtype | str | None = None) -> torch.Tensor:
     """cross_entropy(softcap(input @ linear_weight^T + linear_bias), target) without the
     (..., V) logits: the arguments and result of PyTorch's `F.linear_cross_entropy` where they
     share them, plus Gemma 2's `softcap` (`softcap * tanh(z / softcap)` on the logits) and PaLM's
@@ -30,8 +31,12 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     reduction: 'mean' (over the non-ignored targets, or over `num_items_in_batch` when given: the
     count of a whole accumulated batch, as Hugging Face's Trainer passes it), 'sum' or 'none'
     (the loss of each target, 0 where ignored). Logsumexp, max and sums in float32 (float64 for
-    float64); the logits chunk and the gradients in input's dtype; returns input's dtype. Under
-    autocast, input, weight and bias are cast to its dtype first, as F.linear's are.
+    float64); the logits chunk and the gradients in input's dtype. Returns input's dtype, as
+    PyTorch's F.linear_cross_entropy does, unless `loss_dtype` (a floating dtype) is given: then
+    the float32 (float64) loss cast to it, never rounded through input's dtype (pass
+    torch.float32 for the loss to log from a bfloat16 or float16 model, as Hugging Face's and
+    Liger-Kernel's losses are). Under autocast, input, weight and bias are cast to its dtype
+    first, as F.linear's are.
     Memory: the gradients of input, weight and bias plus one chunk of logits (rows x V), never
     N x V. With reduction 'mean' or 'sum' and an argument requiring grad, the gradients are
     computed during the forward and scaled in the backward (three GEMMs in all); with 'none'
@@ -39,10 +44,17 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
 
     Raises ValueError for a bad reduction, shapes, label_smoothing outside [0, 1], a negative or
     infinite softcap or z_loss, num_items_in_batch without reduction 'mean', or (on the CPU) a
-    target outside [0, V) other than ignore_index (on CUDA its loss is NaN); TypeError for dtypes.
+    target outside [0, V) other than ignore_index (on CUDA its loss is NaN); TypeError for dtypes
+    (loss_dtype included).
     """
     _args.linear_cross_entropy(reduction, num_items_in_batch, softcap, input.shape,
                                target.shape)
+    if isinstance(loss_dtype, str):  # a dtype's name, as JAX and TensorFlow take it (Keras)
+        loss_dtype = getattr(torch, loss_dtype, loss_dtype)
+    if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and
+                                       loss_dtype.is_floating_point):
+        raise TypeError(f"fusedlayers.linear_cross_entropy: loss_dtype must be None or a "
+                        f"floating dtype, got {loss_dtype!r}")
     device = input.device.type
     if torch.is_autocast_enabled(device):  # as F.linear under autocast: in its dtype
         dtype = torch.get_autocast_dtype(device)
@@ -54,6 +66,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     loss = _linear_cross_entropy(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias,
                                  target.reshape(-1), items, reduction, ignore_index,
                                  float(label_smoothing), float(softcap or 0.0), float(z_loss))
+    loss = loss.to(loss_dtype or input.dtype)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -74,19 +87,20 @@ def _op_forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                 target: torch.Tensor, items: torch.Tensor | None, reduction: str,
                 ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
                 grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dinput, dweight, dbias): the gradients of the reduced loss (empty unless grads)."""
+    """(loss, dinput, dweight, dbias): the loss in float32 (float64 for float64 input), the
+    gradients of the reduced loss (empty unless grads)."""
     scale = _scale(target, items, reduction, ignore_index, input)
     rows, dx, dw, db = _pass(input, weight, bias, target, scale if grads else None, ignore_index,
                              label_smoothing, softcap, z_loss)
     loss = rows if reduction == "none" else rows.sum() * scale[0]
-    return loss.to(input.dtype), dx, dw, db
+    return loss, dx, dw, db
 
 
 @_op_forward.register_fake
 def _(input, weight, bias, target, items, reduction, ignore_index, label_smoothing, softcap,
       z_loss, grads):
     n = input.shape[0]
-    loss = input.new_empty((n,) if reduction == "none" else ())
+    loss = input.new_empty((n,) if reduction == "none" else (), dtype=_loss_dtype(input))
     if not grads:
         return loss, input.new_empty(0), input.new_empty(0), input.new_empty(0)
     return (loss, torch.empty_like(input), torch.empty_like(weight),
@@ -137,9 +151,10 @@ def _backward(ctx, dloss, *_):
         # computed in the forward for a scale of 1: times the loss's gradient
         dx, dw, db = ctx.grads_once or ctx.saved_tensors
         g = dloss.to(dx.dtype)
-        if ctx.in_place:
+        if ctx.in_place:  # one vectorized pass over each (a 0-d CUDA operand of mul_ is not)
             ctx.grads_once = None
-            return (dx.mul_(g), dw.mul_(g), db.mul_(g) if ctx.has_bias else None, *none)
+            torch._foreach_mul_([dx, dw, db], g)
+            return (dx, dw, db if ctx.has_bias else None, *none)
         return (dx * g, dw * g, db * g if ctx.has_bias else None, *none)
     # the backward recomputes the logits, each row's gradient scaled by its share of dloss
     input, weight, bias, target, items = ctx.saved_tensors
@@ -196,7 +211,7 @@ def _decomposed(input, weight, bias, target, items, reduction, ignore_index, lab
     rows = (1 - label_smoothing) * (lse - picked) + label_smoothing * (lse - z.mean(-1))
     rows = torch.where(kept, rows + z_loss * lse ** 2, 0)
     scale = _scale(target, items, reduction, ignore_index, input)
-    loss = (rows if reduction == "none" else rows.sum() * scale[0]).to(input.dtype)
+    loss = rows if reduction == "none" else rows.sum() * scale[0]
     if not grads:
         empty = input.new_empty(0)
         return loss, empty, empty, empty
@@ -214,7 +229,8 @@ def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = Fa
     """At (tokens, hidden, vocab), targets fixed (1 in 7 ignored), weight ~ N(0, 1 / hidden):
     against the unfused head and loss as Hugging Face runs them (the logits in dtype, the loss
     on their float32 copy); "gemm": the logits' GEMM alone (with the backward: the three GEMMs,
-    the floor); with `peers` on CUDA, Liger-Kernel's fused linear cross-entropy and Apple's Cut
+    the floor); with `peers`, PyTorch's own F.linear_cross_entropy with its chunked options
+    (torch 2.13 on), and on CUDA Liger-Kernel's fused linear cross-entropy and Apple's Cut
     Cross-Entropy where installed."""
     from ..bench.case import Case
     n, h, v = shape
@@ -228,6 +244,9 @@ def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = Fa
     case = Case(lambda: linear_cross_entropy(x, w, t),
                 lambda: F.cross_entropy(F.linear(x, w).float(), t), [x, w],
                 {"fwd": flops, "fwd+bwd": 3 * flops}, variants={"gemm": lambda: x @ w.t()})
+    if peers and hasattr(torch.nn, "LinearCrossEntropyOptions"):  # PyTorch's own, chunked
+        options = torch.nn.LinearCrossEntropyOptions()
+        case.variants["torch-lce"] = lambda: F.linear_cross_entropy(x, w, t, options=options)
     if peers and device.type == "cuda":
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -240,4 +259,5 @@ def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = Fa
             case.variants["cce"] = lambda: cce(x, w, t)
         except ImportError:
             pass
+    case.uncaptured = {"torch-lce", "liger", "cce"}
     return case
