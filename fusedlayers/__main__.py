@@ -159,10 +159,21 @@ def bench(argv: list[str]) -> int:
                                      rounds=args.rounds)
     else:
         from fusedlayers.bench import ops as b
+        printed = []
+
+        def on_rows(rows, ceilings):  # each case as it ends: nothing lost if a later one dies
+            table.per_size_floors(rows, ceilings)
+            table.judge(rows)
+            lines = table.format_table(rows, ceilings, name).splitlines()
+            print("\n".join(lines[4 + len(printed):] if printed else lines), flush=True)
+            printed[:] = rows
+            if args.json:
+                table.write_json(args.json, rows, ceilings, name)
         rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
                                not args.no_compile, args.reps or b.CPU_REPS,
                                tuple(args.ops.split(",")), args.peers, not args.no_tensorflow,
-                               args.rounds)
+                               args.rounds, on_rows)
+        print("== all rows")
     table.per_size_floors(rows, ceilings)
     table.judge(rows)
     print(table.format_table(rows, ceilings, name))

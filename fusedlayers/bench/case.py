@@ -16,6 +16,9 @@ class Case:
     # is the floor its framework's rows of a TFLOP/s op are judged by (bench.table).
     fwd_only: dict = field(default_factory=dict)
     variants: dict = field(default_factory=dict)
+    # Variants timed as called, not captured in a CUDA graph: other libraries' calls that wait
+    # on the host (a failed capture leaves torch's CUDA generator expecting one).
+    uncaptured: set = field(default_factory=set)
 
 
 def memory_work(x_bytes: int, saved_bytes: int) -> dict:

@@ -28,6 +28,7 @@ RMSNorm's "llama" casting, backward in place), and QuACK's RMSNorm (`quack.rmsno
 """
 
 import ctypes
+import gc
 import statistics
 import time
 
@@ -100,18 +101,21 @@ def keep_freed_memory() -> bool:
     return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1)
 
 
-def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int) -> dict:
+def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int,
+                uncaptured=frozenset()) -> dict:
     """Each of fns timed in `rounds` interleaved rounds: name -> each round's ms. In a round
     every fn is timed once after the other: on CUDA the median of its calls over CUDA_ROUND_MS
     (reps CUDA-event timed calls without triton); on the CPU `reps` calls, one of each fn in
     turn, after CPU_WARMUP_ROUNDS untimed ones, the round's median (a floor's, FLOORS of any
     framework: its fastest call, as a floor bounds the others and a shared host's noise moves a
-    median by more than a GEMM's epilogue costs). Interleaving makes a host whose speed drifts
+    median by more than a GEMM's epilogue costs). On CUDA every fn but those in `uncaptured`
+    (and the copy) is timed as the replay of its CUDA graph. Interleaving makes a host whose speed drifts
     (shared cores, clock changes) slow every fn alike instead of whichever ran in a slow spell."""
     times = {name: [] for name in fns}
     if device.type == "cuda":
         # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
-        fns = {name: fn if name == "copy" else _graphed(fn) for name, fn in fns.items()}
+        fns = {name: fn if name == "copy" or name in uncaptured else _graphed(fn)
+               for name, fn in fns.items()}
         for _ in range(rounds):
             for name, fn in fns.items():
                 times[name].append(_cuda_ms(fn, reps))
@@ -171,12 +175,15 @@ ROUNDS, CPU_REPS = 5, 10  # rounds of every row, and calls per round on the CPU
 
 def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
         compile: bool = True, reps: int = CPU_REPS, op_names=OPS,
-        peers: bool = False, tensorflow: bool = True, rounds: int = ROUNDS
-        ) -> tuple[list[Row], dict]:
+        peers: bool = False, tensorflow: bool = True, rounds: int = ROUNDS,
+        on_rows=None) -> tuple[list[Row], dict]:
     """Rows of every op, shape, dtype, pass and variant, and the ceilings measured for them, each
     row timed in `rounds` rounds interleaved with the others of its case and pass (time_rounds:
     `reps` calls a round on the CPU). On the CPU, with `tensorflow` and the op library loadable,
-    TensorFlow's rows follow each dtype's torch rows (fusedlayers.bench.tensorflow_ops)."""
+    TensorFlow's rows follow each dtype's torch rows (fusedlayers.bench.tensorflow_ops).
+    on_rows(rows, ceilings), where given, is called after each case with all rows so far (the
+    CLI prints the new ones and rewrites its JSON: a run that dies keeps what it measured). Each
+    case's tensors, graphs and compiled code are released before the next is made."""
     unknown = set(op_names) - set(OPS)
     if unknown:
         raise ValueError(f"bench: ops must be among {OPS}, got {sorted(unknown)}")
@@ -195,9 +202,26 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
                 case = ops.module(op, "torch").bench_case(shape, dtype, dev, peers)
                 rows += _case_rows(op, shape_name(shape), dtype_name, case, dev, compile,
                                    rounds, reps, ceilings)
+                del case
+                _release(dev)
+                if on_rows:
+                    on_rows(rows, ceilings)
         if tensorflow and dev.type == "cpu" and _tensorflow_usable():
             rows += _tensorflow_rows(quick, dtype_name, op_names, rounds, reps, ceilings)
+            if on_rows:
+                on_rows(rows, ceilings)
     return rows, ceilings
+
+
+def _release(dev: torch.device) -> None:
+    """Frees what a finished case held: its graphs' memory pools and compiled code (collected
+    with the closures that hold them), then the caching allocator's free blocks, which a later
+    case of other sizes could not reuse."""
+    torch._dynamo.reset()
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
 
 
 def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile: bool,
@@ -219,7 +243,7 @@ def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile
             timed[impl] = fn if pass_ == "fwd" else _fwd_bwd(fn, [case.inputs[0], *leaves])
             if pass_ == "fwd":
                 timed[impl] = torch.no_grad()(timed[impl])
-        for impl, ms in time_rounds(timed, dev, rounds, reps).items():
+        for impl, ms in time_rounds(timed, dev, rounds, reps, case.uncaptured).items():
             rows.append(row(op, shape, dtype_name, pass_, impl, ms, case.work[pass_],
                              ceilings))
     return rows

@@ -122,10 +122,13 @@ def per_size_floors(rows: list[Row], ceilings: dict) -> None:
     """Sets each row's % of peak against the larger of the device's ceiling and its floor row
     (_floor_key): a copy whose bytes fit in the CPU's caches runs faster than the large copy of
     the ceiling, and a GEMM's speed depends on its shape and on the GEMM library its framework
-    calls (on the CPU, for bfloat16, oneDNN or a loop). A row above 100% ran faster than that
-    floor."""
-    floors = {_floor_key(r): r.rate for r in rows
-              if r.impl.removeprefix(_framework(r.impl)) in FLOORS}
+    calls (on the CPU, for bfloat16, oneDNN or a loop). A row faster than that floor (a copy
+    kernel that is not the fastest way to move a cache-resident size, or a size without a floor
+    row) shows that the floor was not the ceiling there: the fastest row judged by the same
+    floor is then the 100%, so no row reads above it."""
+    floors = {}  # the floor row's rate, or a faster row's judged by it
+    for r in rows:
+        floors[_floor_key(r)] = max(floors.get(_floor_key(r), 0.0), r.rate)
     for r in rows:
         ceiling = ceilings["copy_gbs"] if r.unit == "GB/s" else \
             ceilings.get(f"gemm_tflops_{r.dtype}", 0.0)
