@@ -1,9 +1,14 @@
 // CPU row pass of linear + cross-entropy (math: linear_cross_entropy.h): each row of a chunk is
-// staged in the accumulation type with its bias and softcap applied, reduced (max, sum, sum of
-// exponentials), and, for gradients, written back as du. Rows run in parallel; dbias's column
-// sums run over columns in parallel, each column summing its rows in order.
+// staged in the accumulation type with its bias and softcap applied, reduced (max, then the sums
+// of z and of exponentials in one pass, over cpu::lane_sum's lanes) and, for gradients, written
+// back as du. The loops are compiled per ISA (FUSEDLAYERS_CPU_CLONES) and vectorize: float's exp
+// is cpu::exp_approx (libm's is a scalar call), softcap's tanh stays libm's. Rows run in
+// parallel; dbias's column sums run over columns in parallel, each column summing its rows in
+// order.
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "cpu_gelu.h"
 #include "cpu_types.h"
@@ -31,7 +36,46 @@ void check_targets(const LinearCrossEntropyChunk& c) {
   }
 }
 
-template <typename T, typename A>
+// z = softcap(logits + bias) in A.
+template <typename T, typename A, bool kCap>
+FUSEDLAYERS_CPU_CLONES void stage_row(const T* __restrict logits, const T* __restrict bias, A cap,
+                                      A* __restrict z, int64_t v) {
+  for (int64_t j = 0; j < v; ++j) {
+    const A u = to_acc(logits[j]) + (bias ? A(to_acc(bias[j])) : A(0));
+    z[j] = kCap ? cap * std::tanh(u / cap) : u;
+  }
+}
+
+// (max, sum of z, sum of exp(z - max)) of a staged row; NaN passes through the exponentials.
+template <typename A>
+FUSEDLAYERS_CPU_CLONES void row_stats(const A* __restrict z, int64_t v, A* stats) {
+  A lanes[cpu::kLanes];
+  for (A& m : lanes) m = -INFINITY;
+  int64_t i = 0;
+  for (; i + cpu::kLanes <= v; i += cpu::kLanes)
+    for (int k = 0; k < cpu::kLanes; ++k) lanes[k] = std::max(lanes[k], z[i + k]);
+  A m = -INFINITY;
+  for (A l : lanes) m = std::max(m, l);
+  for (; i < v; ++i) m = std::max(m, z[i]);
+  const std::pair<A, A> sums = cpu::lane_sum2<A>(v, [&](int64_t j) FUSEDLAYERS_LAMBDA_INLINE {
+    return std::pair<A, A>(z[j], cpu::exp_approx<true>(z[j] - m));
+  });
+  stats[0] = m, stats[1] = sums.first, stats[2] = sums.second;
+}
+
+// du = scale (p (1 + 2 z_loss lse) - eps / V) (times softcap's slope), p = exp(z - lse); the
+// target's term is the caller's.
+template <typename T, typename A, bool kCap>
+FUSEDLAYERS_CPU_CLONES void grad_row(const A* __restrict z, T* __restrict du, int64_t v, A pz,
+                                     A lse, A off, A cap) {
+  for (int64_t j = 0; j < v; ++j) {
+    A d = pz * cpu::exp_approx<true>(z[j] - lse) - off;
+    if (kCap) d *= A(1) - (z[j] / cap) * (z[j] / cap);
+    du[j] = from_acc<T>(d);
+  }
+}
+
+template <typename T, typename A, bool kCap>
 void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
   const cpu::IeeeSubnormals ieee;
   const int64_t v = c.vocab;
@@ -51,26 +95,18 @@ void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < v; ++j) du_row[j] = from_acc<T>(A(0));
       continue;
     }
-    A m = -INFINITY, sum = 0;
-    for (int64_t j = 0; j < v; ++j) {
-      A u = to_acc(logits[j]) + (bias ? to_acc(bias[j]) : A(0));
-      if (cap > 0) u = cap * std::tanh(u / cap);
-      z[j] = u;
-      m = std::max(m, u);
-      sum += u;
-    }
-    A se = 0;
-    for (int64_t j = 0; j < v; ++j) se += std::exp(z[j] - m);
-    const A lse = m + std::log(se);
+    stage_row<T, A, kCap>(logits, bias, cap, z.data(), v);
+    A stats[3];
+    row_stats<A>(z.data(), v, stats);
+    const A m = stats[0], sum = stats[1], lse = m + std::log(stats[2]);
     loss = (1 - eps) * (lse - z[t]) + eps * (lse - sum / A(v)) + zl * lse * lse;
     if (!scale) continue;
     const A s = scale[c.per_row_scale ? row : 0], pz = s * (1 + 2 * zl * lse),
             off = s * eps / A(v);
-    for (int64_t j = 0; j < v; ++j) {
-      A du = pz * std::exp(z[j] - lse) - off - (j == t ? s * (1 - eps) : A(0));
-      if (cap > 0) du *= 1 - (z[j] / cap) * (z[j] / cap);
-      du_row[j] = from_acc<T>(du);
-    }
+    grad_row<T, A, kCap>(z.data(), du_row, v, pz, lse, off, cap);
+    A dt = pz * cpu::exp_approx<true>(z[t] - lse) - off - s * (1 - eps);
+    if (kCap) dt *= A(1) - (z[t] / cap) * (z[t] / cap);
+    du_row[t] = from_acc<T>(dt);
   }
 }
 
@@ -82,7 +118,9 @@ void linear_cross_entropy_chunk_cpu(const LinearCrossEntropyChunk& c,
   cpu::dispatch(c.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = typename cpu::Acc<T>::type;
-    parallel_for(c.rows, 1, [&](int64_t b, int64_t e) { chunk_rows<T, A>(c, b, e); });
+    parallel_for(c.rows, 1, [&](int64_t b, int64_t e) {
+      c.softcap > 0 ? chunk_rows<T, A, true>(c, b, e) : chunk_rows<T, A, false>(c, b, e);
+    });
     if (!c.dbias_acc || !c.grad_scale) return;
     A* acc = static_cast<A*>(c.dbias_acc);
     const T* du = static_cast<const T*>(c.du);
