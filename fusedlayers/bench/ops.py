@@ -83,22 +83,25 @@ def _cuda_ms(fn, reps: int) -> float:
 # Untimed rounds first on the CPU: the heap grows to what every variant needs before any call
 # is timed.
 CPU_WARMUP_ROUNDS = 8
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def keep_freed_memory() -> bool:
     """Makes glibc's malloc keep freed memory for the next allocation: no trimming of the heap's
-    top, and allocations below 32 MiB (the largest mmap threshold it takes) from the heap. By
-    default it returns the top of the heap to the system once more than twice the largest freed
-    tensor sits free there, and the next call's outputs are page-faulted in again, at a cost of
-    several times the kernel's, paid by whichever variant runs next (a fused op timed after its
-    unfused reference paid for the reference's temporaries). False where the C library has no
-    mallopt or refuses (not glibc): the bench then times its default."""
+    top, and every allocation from the heap (no mmap). By default it returns the top of the heap
+    to the system once more than twice the largest freed tensor sits free there, and it maps
+    blocks of 32 MiB and more (at most: its largest mmap threshold) afresh, unless the heap
+    happens to hold a free block that size; either way the next call's outputs are page-faulted
+    in again, at a cost of up to several times the kernel's, paid by whichever variant runs next
+    (a fused op timed after its unfused reference paid for the reference's temporaries) or not,
+    by what ran before in the process (a bfloat16 GEMM with a 32 MiB output took 18 or 9 ms).
+    False where the C library has no mallopt or refuses (not glibc): the bench then times its
+    default."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1)
+    return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_MAX, 0) == 1)
 
 
 def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int,
