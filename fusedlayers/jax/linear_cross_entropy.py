@@ -97,12 +97,15 @@ def _loop(x, w, b, t, scale, options):
     roles = "xpr" + ("r" if per_row else "p") + "->r" + ("x" if grads else "p") + \
         ("s" if with_db else "p")
 
-    # float32 products as float32 (no TF32 on GPUs), accumulated in the loss dtype
+    # float32 products as float32 (no TF32 on GPUs), accumulated in the loss dtype; the logits
+    # and dx leave their GEMMs in x's dtype (rounded once from that accumulator, with no pass
+    # of their own over the chunk), dW's running sum in the loss dtype
     dot = partial(jnp.dot, preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
+    dot_x = partial(dot, preferred_element_type=x.dtype)
 
     def step(carry, chunk):
         x_c, t_c, s_c = chunk
-        logits = dot(x_c, w.T).astype(x.dtype)
+        logits = dot_x(x_c, w.T)
         loss_c, du, db_c = _op.call(
             "linear_cross_entropy_chunk", results, logits, bias, t_c,
             s_c if per_row else whole_scale, roles=roles, rows=1,
@@ -111,7 +114,7 @@ def _loop(x, w, b, t, scale, options):
         if not grads:
             return carry, (loss_c, jnp.zeros((c, 0), x.dtype))
         dw, db = carry
-        dx_c = dot(du, w).astype(x.dtype)
+        dx_c = dot_x(du, w)
         dw = (dw + dot(du.T, x_c)).astype(w.dtype)
         return (dw, db + db_c if with_db else db), (loss_c, dx_c)
 
