@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "cpu_gelu.h"
@@ -95,17 +96,24 @@ void chunk_rows(const LinearCrossEntropyChunk& c, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < v; ++j) du_row[j] = from_acc<T>(A(0));
       continue;
     }
-    stage_row<T, A, kCap>(logits, bias, cap, z.data(), v);
+    // Without gradients, rows already in A with nothing to apply are read where they are (the
+    // gradient pass reads the staged copy: du may be the logits).
+    const A* zr = reinterpret_cast<const A*>(logits);
+    if (!std::is_same_v<T, A> || bias || kCap || scale) {
+      stage_row<T, A, kCap>(logits, bias, cap, z.data(), v);
+      zr = z.data();
+    }
     A stats[3];
-    row_stats<A>(z.data(), v, stats);
+    row_stats<A>(zr, v, stats);
     const A m = stats[0], sum = stats[1], lse = m + std::log(stats[2]);
-    loss = (1 - eps) * (lse - z[t]) + eps * (lse - sum / A(v)) + zl * lse * lse;
+    const A zt = zr[t];  // before du, which may be the logits, is written
+    loss = (1 - eps) * (lse - zt) + eps * (lse - sum / A(v)) + zl * lse * lse;
     if (!scale) continue;
     const A s = scale[c.per_row_scale ? row : 0], pz = s * (1 + 2 * zl * lse),
             off = s * eps / A(v);
     grad_row<T, A, kCap>(z.data(), du_row, v, pz, lse, off, cap);
-    A dt = pz * cpu::exp_approx<true>(z[t] - lse) - off - s * (1 - eps);
-    if (kCap) dt *= A(1) - (z[t] / cap) * (z[t] / cap);
+    A dt = pz * cpu::exp_approx<true>(zt - lse) - off - s * (1 - eps);
+    if (kCap) dt *= A(1) - (zt / cap) * (zt / cap);
     du_row[t] = from_acc<T>(dt);
   }
 }
