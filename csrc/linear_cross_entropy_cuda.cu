@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   s = s_row;
   const float lse = s.m + logf(s.se);
   const float eps = float(c.label_smoothing), zl = float(c.z_loss);
-  if (tid == 0) loss[row] = (1 - eps) * (lse - zt) + eps * (lse - s.sum / float(v)) + zl * lse * lse;
+  if (tid == 0)
+    loss[row] = (1 - eps) * (lse - zt) + eps * (lse - s.sum / float(v)) + zl * lse * lse;
   if (!scale) return;
 
   const float g = scale[c.per_row_scale ? row : 0], pz = g * (1 + 2 * zl * lse),

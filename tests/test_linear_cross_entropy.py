@@ -41,7 +41,8 @@ def _grads(loss, tensors, dy):
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_reference(device, reduction, options, bias):
-    # 2500 rows: two chunks of rows (the second partial); float32 against float64's exact loss and gradients
+    # 2500 rows: two chunks of rows (the second partial); float32 against float64's exact loss
+    # and gradients
     n, h, v = 2500, 19, 53
     dtype = torch.float32 if device == "cuda" else torch.float64
     x, w, b, t = _problem(n, h, v, dtype, device, bias, options.get("ignore_index", -100))
@@ -87,7 +88,8 @@ def test_cuda_row_pass_wide_and_odd_rows(device, dtype, v, options, bias, seed):
     u = u.detach().requires_grad_()
     cap = options.get("softcap")
     z = cap * torch.tanh(u / cap) if cap else u
-    rows = F.cross_entropy(z, t, reduction="none", label_smoothing=options.get("label_smoothing", 0))
+    rows = F.cross_entropy(z, t, reduction="none",
+                           label_smoothing=options.get("label_smoothing", 0))
     want = (rows + options.get("z_loss", 0) * torch.logsumexp(z, -1) ** 2 * (t != -100)).sum()
     assert rel_err(loss.double(), want) <= 2e-6
     du, = torch.autograd.grad(want, u)

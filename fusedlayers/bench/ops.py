@@ -112,8 +112,9 @@ def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int,
     turn, after CPU_WARMUP_ROUNDS untimed ones, the round's median (a floor's, FLOORS of any
     framework: its fastest call, as a floor bounds the others and a shared host's noise moves a
     median by more than a GEMM's epilogue costs). On CUDA every fn but those in `uncaptured`
-    (and the copy) is timed as the replay of its CUDA graph. Interleaving makes a host whose speed drifts
-    (shared cores, clock changes) slow every fn alike instead of whichever ran in a slow spell."""
+    (and the copy) is timed as the replay of its CUDA graph. Interleaving makes a host whose
+    speed drifts (shared cores, clock changes) slow every fn alike instead of whichever ran in a
+    slow spell."""
     times = {name: [] for name in fns}
     if device.type == "cuda":
         # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).

@@ -21,8 +21,9 @@ class LinearCrossEntropy(nnx.Module):
     parameters'. reduction, ignore_index, label_smoothing, softcap (Gemma 2) and z_loss (PaLM) as
     fusedlayers.jax.linear_cross_entropy. Returns a scalar ('mean', 'sum') or target's shape
     ('none') in float32 (float64 for a float64 computation), computed from its float32 value and
-    never rounded through a half-precision computation dtype (as optax's losses on upcast logits). Raises ValueError for a non-positive size or a bad
-    reduction, and what fusedlayers.jax.linear_cross_entropy raises (while tracing)."""
+    never rounded through a half-precision computation dtype (as optax's losses on upcast
+    logits). Raises ValueError for a non-positive size or a bad reduction, and what
+    fusedlayers.jax.linear_cross_entropy raises (while tracing)."""
 
     def __init__(self, in_features: int, vocab_size: int, *, use_bias: bool = False,
                  reduction: str = "mean", ignore_index: int = -100,
