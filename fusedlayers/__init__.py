@@ -1,6 +1,7 @@
 """fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm, RMSNorm, the gated activations
-(SwiGLU, GeGLU), rotary embeddings (RoPE) and linear + cross-entropy for PyTorch, TensorFlow
-and JAX, forward and backward, from one set of C++ kernels (csrc/).
+(SwiGLU, GeGLU), rotary embeddings (RoPE), linear + cross-entropy and the experts of
+mixture-of-experts layers for PyTorch, TensorFlow and JAX, forward and backward, from one set of
+C++ kernels (csrc/).
 
 The functions here pick the framework from the type of their first argument, so the same call
 works on any supported tensor. Importing fusedlayers imports no framework: the backend of a
@@ -137,3 +138,36 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
         input, linear_weight, target, linear_bias=linear_bias, reduction=reduction,
         ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
         z_loss=z_loss, num_items_in_batch=num_items_in_batch, loss_dtype=loss_dtype)
+
+
+def moe_permute(x, top_k_index, num_experts: int):
+    """(xs, row_index, offsets): the (token, slot) pairs of a mixture-of-experts layer sorted by
+    expert (stable) and their rows of x gathered in that order, offsets the end of each expert's
+    rows. See fusedlayers.torch.moe_permute for shapes, dtypes and errors."""
+    backend = _backend(x, "moe_permute", top_k_index=top_k_index)
+    return backend.moe_permute(x, top_k_index, num_experts)
+
+
+def moe_unpermute(ys, top_k_index, row_index, top_k_weights, num_experts: int):
+    """out[t] = sum_j top_k_weights[t, j] * ys[row_index[t * top_k + j]]: the weighted combine
+    of the experts' rows, moe_permute's inverse. See fusedlayers.torch.moe_unpermute for shapes,
+    dtypes and errors."""
+    backend = _backend(ys, "moe_unpermute", "ys", top_k_index=top_k_index, row_index=row_index,
+                       top_k_weights=top_k_weights)
+    return backend.moe_unpermute(ys, top_k_index, row_index, top_k_weights, num_experts)
+
+
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                gate_up_proj_bias=None, down_proj_bias=None, transposed: bool = False,
+                activation: str = "silu", gate=None):
+    """The routed experts of a mixture-of-experts layer with transformers' experts arguments:
+    moe_permute, a grouped GEMM, the gated activation, a grouped GEMM, moe_unpermute. See
+    fusedlayers.torch.moe_experts for shapes, dtypes and errors."""
+    backend = _backend(hidden_states, "moe_experts", "hidden_states", top_k_index=top_k_index,
+                       top_k_weights=top_k_weights, gate_up_proj=gate_up_proj,
+                       down_proj=down_proj, gate_up_proj_bias=gate_up_proj_bias,
+                       down_proj_bias=down_proj_bias)
+    return backend.moe_experts(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+        gate_up_proj_bias=gate_up_proj_bias, down_proj_bias=down_proj_bias,
+        transposed=transposed, activation=activation, gate=gate)

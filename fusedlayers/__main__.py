@@ -90,7 +90,7 @@ def bench(argv: list[str]) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--peers", action="store_true",
                         help="add Liger-Kernel's and QuACK's kernels where they import (CUDA); "
-                             "--model llama*: Liger's patched model, eager")
+                             "--model llama* and qwen3-moe: Liger's patched model, eager")
     parser.add_argument("--no-tensorflow", action="store_true",
                         help="skip the TensorFlow rows (CPU; they run where the op library loads)")
     parser.add_argument("--rounds", type=int, default=5,
@@ -109,13 +109,13 @@ def bench(argv: list[str]) -> int:
         "jax, of a Keras model on Keras' JAX backend (bert-base: a BERT-base-shaped encoder; "
         "llama: 4 Llama-1B-shaped decoder blocks), unfused vs fused")
     model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2", "llama", "llama-lm",
-                                           "llama-lm-128k"))
+                                           "llama-lm-128k", "qwen3-moe"))
     model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
     model.add_argument("--batch", help="comma-separated batch sizes (default: a host-bound and "
                                        "a GPU-bound one on CUDA, 8 on the CPU)")
     model.add_argument("--precision",
                        help="torch: autocast (bf16 compute, fp32 params), bf16 (bf16 params), "
-                            "fp32 (default: autocast,bf16); Keras: its dtype policies, "
+                            "fp32 (default: autocast,bf16; qwen3-moe: bf16); Keras: its dtype policies, "
                             "mixed_bfloat16 or float32 (default: mixed_bfloat16)")
     model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
     model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
@@ -200,7 +200,7 @@ def _bench_model(args, device: str, name: str) -> int:
     say(f"device: {name}\n{mb.HEADER}")
     rows = mb.run(args.model, device,
                   tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
-                  tuple((args.precision or "autocast,bf16").split(",")),
+                  tuple(args.precision.split(",")) if args.precision else None,
                   tuple(args.modes.split(",")),
                   args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed,
                   peers=args.peers)

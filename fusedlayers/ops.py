@@ -41,6 +41,8 @@ _NORM_SHAPES = {"cuda": ((32768, 768), (32768, 1024), (32768, 2048), (32768, 409
                          (8192, 8192), (8192, 12288)),
                 "cpu": ((4096, 768), (1024, 4097))}
 
+_MOE_SHAPES = {"cuda": ((4096, 2048, 128, 8),), "cpu": ((1024, 512, 16, 4),)}
+
 _GATED_SHAPES = {"cuda": ((8192, 5632), (8192, 14336)), "cpu": ((2048, 2816),)}
 
 OPS = (
@@ -59,6 +61,12 @@ OPS = (
     Op("linear_cross_entropy", "TFLOP/s",
        {"cuda": ((8192, 2048, 32000), (8192, 4096, 32000), (8192, 2048, 128256),
                  (8192, 4096, 128256)), "cpu": ((2048, 256, 8192),)}),
+    # (tokens, hidden, num_experts, top_k): a Qwen3-30B-A3B-shaped MoE layer at 2 x 2048 tokens
+    Op("moe_permute", "GB/s", _MOE_SHAPES),
+    Op("moe_unpermute", "GB/s", _MOE_SHAPES),
+    # (tokens, hidden, ffn, num_experts, top_k): that layer's experts
+    Op("moe_experts", "TFLOP/s", {"cuda": ((4096, 2048, 768, 128, 8),),
+                                  "cpu": ((512, 256, 128, 16, 4),)}),
 )
 NAMES = tuple(op.name for op in OPS)
 

@@ -5,10 +5,13 @@ GPU-bound batch.
 
 Models are Hugging Face's, built from their default (base) configs with random weights, no
 download: bert-base (BertModel), vit-base (ViTModel, 224x224 images), gpt2 (GPT2Model, 124M),
-llama (a ~1.1B LlamaModel, 4 x 2048 tokens) and llama-lm / llama-lm-128k (the same as
+llama (a ~1.1B LlamaModel, 4 x 2048 tokens), llama-lm / llama-lm-128k (the same as
 LlamaForCausalLM with vocabularies of 32000 / 128256, trained on its own loss of the input ids as
-labels: fuse() runs its head and loss as linear_cross_entropy); `tiny` shrinks each to 2 layers of
-width 64 for a quick run on the CPU. A step is forward, a loss (the causal LMs' own; else the
+labels: fuse() runs its head and loss as linear_cross_entropy) and qwen3-moe (a
+Qwen3-30B-A3B-shaped Qwen3MoeForCausalLM of 8 layers: hidden 2048, 32/4 heads of 128, 128 experts
+of width 768, top-8, vocabulary 151936, 2 x 2048 tokens, bf16 parameters by default; fuse() runs
+its experts as moe_experts); `tiny` shrinks each to 2 layers of width 64 for a quick run on the
+CPU. A step is forward, a loss (the causal LMs' own; else the
 mean square of the last hidden state), backward and AdamW (fused on CUDA).
 
 Unfused and fused run interleaved in A/B rounds (ABBA order), so drift in clocks or host load hits
@@ -35,10 +38,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-MODELS = ("bert-base", "vit-base", "gpt2", "llama", "llama-lm", "llama-lm-128k")
+MODELS = ("bert-base", "vit-base", "gpt2", "llama", "llama-lm", "llama-lm-128k", "qwen3-moe")
 # (host-bound, GPU-bound) batch on an H100, and on the CPU (tiny configs); llama: 4 x 2048 tokens.
 DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64), "llama": (4,),
-                   "llama-lm": (4,), "llama-lm-128k": (4,)}
+                   "llama-lm": (4,), "llama-lm-128k": (4,), "qwen3-moe": (2,)}
+# Models whose variants share one set of parameters and one optimizer (each variant is the same
+# weights under a different forward): three copies of the MoE's ~5.5B parameters with their
+# gradients and AdamW states would not fit one GPU.
+SHARED_WEIGHTS = {"qwen3-moe"}
+# Precisions when none is asked for: the MoE in bf16 parameters (transformers' grouped GEMM path
+# needs bf16 weights; under autocast its float32 weights take the per-expert loop).
+DEFAULT_PRECISIONS = {"qwen3-moe": ("bf16",)}
 CPU_BATCHES = (8,)
 SEQ = 512
 
@@ -58,7 +68,7 @@ class ModelRow:
     unfused_peak_mb: float | None
     fused_peak_mb: float | None
     first_forward_rel_diff: float
-    # With peers on the Llamas: Liger-Kernel's four patches on the same model (eager)
+    # With peers on the Llamas and the MoE: Liger-Kernel's patches on the same model (eager)
     liger_ms: float | None = None
     liger_peak_mb: float | None = None
 
@@ -104,6 +114,21 @@ def build(name: str, tiny: bool, seed: int = 0):
         def inputs(batch, device, dtype):
             ids = torch.randint(0, vocab, (batch, llama_seq), device=device)
             return {"input_ids": ids, **({"labels": ids} if lm else {})}
+    elif name == "qwen3-moe":
+        moe = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32,
+                   num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                   moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                   max_position_embeddings=2048)
+        if tiny:
+            moe.update(small, num_key_value_heads=2, head_dim=16, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=1000)
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**moe))
+        vocab, moe_seq = model.config.vocab_size, 32 if tiny else 2048
+
+        def inputs(batch, device, dtype):
+            ids = torch.randint(0, vocab, (batch, moe_seq), device=device)
+            return {"input_ids": ids, "labels": ids}
     elif name == "vit-base":
         vit_small = dict(small, image_size=32, patch_size=4) if tiny else {}
         model = transformers.ViTModel(transformers.ViTConfig(**vit_small),
@@ -123,29 +148,32 @@ def _sync(device):
 
 
 def _liger(model):
-    """Liger-Kernel's Llama patches on this instance (RMSNorm, SwiGLU MLP and, for a causal LM,
-    its fused linear cross-entropy forward) and a context that swaps in its RoPE, a module-level
-    function in transformers, around this model's steps only: the other models of the process
-    keep theirs, and later builds Llama's own classes."""
+    """Liger-Kernel's patches of the model's family (Llama, Qwen3-MoE) on this instance (RMSNorm,
+    the MLP or experts' SwiGLU and, for a causal LM, its fused linear cross-entropy forward) and a
+    context that swaps in its RoPE, a module-level function in transformers, around this model's
+    steps only: the other models of the process keep theirs, and later builds the family's own
+    classes."""
     import contextlib
+    import importlib
 
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-    from transformers.models.llama import modeling_llama
-    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
-    saved = {n: getattr(modeling_llama, n) for n in names}
-    apply_liger_kernel_to_llama(
-        model=model, fused_linear_cross_entropy=isinstance(model, modeling_llama.LlamaForCausalLM))
-    liger_rope = modeling_llama.apply_rotary_pos_emb
+    import liger_kernel.transformers as liger
+    family = model.config.model_type
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    saved = dict(vars(modeling))
+    getattr(liger, f"apply_liger_kernel_to_{family}")(
+        model=model, fused_linear_cross_entropy=hasattr(model, "lm_head"))
+    liger_rope = modeling.apply_rotary_pos_emb
     for n, v in saved.items():
-        setattr(modeling_llama, n, v)
+        if vars(modeling).get(n) is not v:
+            setattr(modeling, n, v)
 
     @contextlib.contextmanager
     def rope():
-        modeling_llama.apply_rotary_pos_emb = liger_rope
+        modeling.apply_rotary_pos_emb = liger_rope
         try:
             yield
         finally:
-            modeling_llama.apply_rotary_pos_emb = saved["apply_rotary_pos_emb"]
+            modeling.apply_rotary_pos_emb = saved["apply_rotary_pos_emb"]
     return rope
 
 
@@ -154,11 +182,11 @@ class _Variant:
     each step runs in."""
 
     def __init__(self, model, device, precision: str, mode: str, distributed: bool = False,
-                 around=None):
+                 around=None, opt=None):
         import contextlib
         self.around = around or contextlib.nullcontext
         self.model, self.device, self.precision = model, device, precision
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        self.opt = opt or optimizer(model, device)
         if distributed:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -212,6 +240,10 @@ class _Variant:
         return torch.cuda.max_memory_allocated(self.device) / 2**20
 
 
+def optimizer(model, device):
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+
 def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
     outs = []
     for m in (unfused, fused):
@@ -224,15 +256,17 @@ def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
     return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
 
 
-def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "bf16"),
+def run(name: str, device: str = "cuda", batches=None, precisions=None,
         modes=("eager", "compile"), rounds: int = 5, steps: int = 4, warmup: int = 3,
         tiny: bool = False, log=print, distributed: bool = False,
         peers: bool = False) -> list[ModelRow]:
     """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
     `distributed`: under an initialized torch.distributed process group, each model in DDP.
-    `peers`: the Llamas in eager mode also with Liger-Kernel's patches (_liger), in the same
-    rounds, where it imports."""
+    `peers`: the Llamas and the MoE in eager mode also with Liger-Kernel's patches (_liger), in
+    the same rounds, where it imports. precisions: default DEFAULT_PRECISIONS, else autocast and
+    bf16."""
     from ..torch import fuse
+    precisions = precisions or DEFAULT_PRECISIONS.get(name, ("autocast", "bf16"))
     unknown = set(precisions) - {"autocast", "bf16", "fp32"} | set(modes) - {"eager", "compile"}
     if unknown:
         raise ValueError(f"bench --model: precisions must be among autocast, bf16, fp32 and modes "
@@ -250,16 +284,23 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
         for batch in batches:
             inputs = make_inputs(batch, dev, in_dtype)
             for mode in modes:
-                # Fresh copies of the same weights for every case: no case trains on another's.
-                unfused, fused = copy.deepcopy(base), fuse(copy.deepcopy(base))
+                # Fresh copies of the same weights for every case: no case trains on another's
+                # (SHARED_WEIGHTS: one copy, one optimizer, each variant's forward on them).
+                share = name in SHARED_WEIGHTS
+                params = {id(p): p for p in base.parameters()} if share else {}
+                opt = optimizer(base, dev) if share else None
+                unfused = copy.deepcopy(base, dict(params))
+                fused = fuse(copy.deepcopy(base, dict(params)))
                 diff = _first_forward_diff(unfused, fused, inputs, precision, dev)
                 torch._dynamo.reset()  # each compiled case starts from an empty cache
-                variants = {"unfused": _Variant(unfused, dev, precision, mode, distributed),
-                            "fused": _Variant(fused, dev, precision, mode, distributed)}
-                if peers and mode == "eager" and name.startswith("llama") and _liger_imports():
-                    liger = copy.deepcopy(base)
+                variants = {"unfused": _Variant(unfused, dev, precision, mode, distributed,
+                                                opt=opt),
+                            "fused": _Variant(fused, dev, precision, mode, distributed, opt=opt)}
+                if peers and mode == "eager" and name.startswith(("llama", "qwen")) and \
+                        _liger_imports():
+                    liger = copy.deepcopy(base, dict(params))
                     variants["liger"] = _Variant(liger, dev, precision, mode, distributed,
-                                                 around=_liger(liger))
+                                                 around=_liger(liger), opt=opt)
                 t_start = time.perf_counter()
                 for v in variants.values():
                     for _ in range(warmup):  # compiles, autotunes, fills caches
@@ -278,7 +319,7 @@ def run(name: str, device: str = "cuda", batches=None, precisions=("autocast", "
                                ms.get("liger"), peak.get("liger"))
                 rows.append(row)
                 log(f"{format_row(row)}   [{time.perf_counter() - t_start:.0f} s]")
-                del variants, unfused, fused
+                del variants, unfused, fused, opt
                 liger = None
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()

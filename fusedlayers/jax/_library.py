@@ -22,8 +22,10 @@ LIBRARY = Path(__file__).resolve().parent.parent / "_jax_ops.so"
 PASSES = ("forward", "backward")
 PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # symbol suffix -> XLA platform
 # The handlers' custom-call targets are fusedlayers_<target> (linear_gelu_gemm_*: CUDA builds).
-# linear_cross_entropy has one: its chunk loop's row pass.
-TARGETS = (*(f"{op}_{pass_}" for op in ops.NAMES if op != "linear_cross_entropy"
+# linear_cross_entropy has one: its chunk loop's row pass; moe_experts none (XLA's ragged dots
+# around moe_permute's and moe_unpermute's).
+TARGETS = (*(f"{op}_{pass_}" for op in ops.NAMES if op not in ("linear_cross_entropy",
+                                                               "moe_experts")
              for pass_ in PASSES),
            *(f"linear_gelu_gemm_{pass_}" for pass_ in PASSES),
            "linear_cross_entropy_chunk")

@@ -6,4 +6,4 @@ from .. import ops as _ops
 from ._layer import framework
 from .fuse import fuse
 
-__all__ = ["framework", "fuse", *_ops.export(__name__, globals(), "keras")]
+__all__ = ["framework", "fuse", *_ops.export(__name__, globals(), "keras", optional=True)]

@@ -19,6 +19,8 @@ def install() -> None:
     """Registers each op's operator decomposition in torch._decomp.decomposition_table."""
     for op in ops.OPS:
         module = ops.module(op, "torch")
+        if getattr(module, "COMPOSITE", False):
+            continue  # no operator of its own: the operators it calls are each decomposed
         decompose = {**module.DECOMPOSITIONS,
                      **getattr(module, "EXPORT_DECOMPOSITIONS", {})}[op.name]
         torch._decomp.decomposition_table[getattr(torch.ops.fusedlayers, op.name).default] = \

@@ -20,8 +20,11 @@ What is recognised is structure, not class names:
   is such a pair (the linear layer's output is a temporary that only the GELU sees);
 - a ReLU (a stateless module whose output is exactly relu's) becomes `FusedReLUScale(1.0)`,
   which saves 1 bit per element for the backward instead of the output;
-- Hugging Face attention calling `apply_rotary_pos_emb` (fusedlayers.torch.rope), and a Hugging
-  Face causal LM's head and loss in training (fusedlayers.torch.causal_lm), per instance.
+- Hugging Face attention calling `apply_rotary_pos_emb` (fusedlayers.torch.rope), a Hugging
+  Face causal LM's head and loss in training (fusedlayers.torch.causal_lm), and the experts
+  modules of transformers' mixture-of-experts models (those of `use_experts_implementation`:
+  Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, ...) as moe_experts
+  (fusedlayers.torch.moe_experts), per instance.
 
 Every swap is checked on a probe input against the layers it replaces before it is made; one
 that does not match is not made and is reported. Probing forks the RNG, so the model's random
@@ -45,6 +48,7 @@ from ..fuse_report import FuseReport, class_name
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
 from .causal_lm import fuse_causal_lm
+from .moe_experts import fuse_experts
 from .rope import fuse_attention
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
@@ -64,7 +68,9 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
     ops support.
 
     enabled: one keyword per op of fusedlayers.ops (layer_norm=False leaves the LayerNorms, ...,
-    linear_cross_entropy=False a causal LM's head and loss); every op is fused by default.
+    linear_cross_entropy=False a causal LM's head and loss, moe_experts=False (or moe_permute /
+    moe_unpermute=False, which it runs on) the experts of MoE models); every op is fused by
+    default.
     Returns `model`; its `fusedlayers_report` attribute lists what was swapped and what was
     left, and why (printed when verbose). Raises TypeError if model is not an nn.Module or a
     keyword names no op.
@@ -91,6 +97,8 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
             _fuse_rope(model, report)
         if wanted["linear_cross_entropy"]:
             _fuse_causal_lm(model, report)
+        if wanted["moe_experts"] and wanted["moe_permute"] and wanted["moe_unpermute"]:
+            _fuse_experts(model, report)
     model.fusedlayers_report = report
     if verbose:
         print(report)
@@ -124,6 +132,22 @@ def _fuse_causal_lm(model: nn.Module, report: FuseReport) -> None:
         elif why is not None:
             report.left.append((_join(path, "lm_head"), _describe(module.lm_head),
                                 f"linear_cross_entropy: {why}"))
+
+
+def _fuse_experts(model: nn.Module, report: FuseReport) -> None:
+    """Each transformers experts module gets, on the instance, its forward as moe_experts
+    (fusedlayers.torch.moe_experts.fuse_experts): per model instance, reported. The router is
+    the model's own, so its logits and the load-balancing loss are unchanged."""
+    for path, module in model.named_modules():
+        forward, why = fuse_experts(module)
+        if forward is not None:
+            module.forward = forward
+            gate = "its own gate" if forward.__func__.gate_fn else "swiglu/geglu"
+            report.swapped.append((path, _describe(module),
+                                   f"fusedlayers.torch.moe_experts with {gate} (this instance's "
+                                   f"forward; `del module.forward` undoes it)"))
+        elif why is not None:
+            report.left.append((path, _describe(module), f"experts: {why}"))
 
 
 # ---------------------------------------------------------------- probes

@@ -1,0 +1,95 @@
+"""The experts of a mixture-of-experts layer on TensorFlow tensors: moe_permute, a matmul per
+expert over its rows (TensorFlow has no grouped GEMM), the gated activation (fusedlayers'
+swiglu / geglu) and moe_unpermute. Same contract as fusedlayers.torch.moe_experts."""
+
+import tensorflow as tf
+
+from ..bench.case import Case
+from . import _op
+from .geglu import geglu
+from .moe_permute import bench_routing, moe_permute
+from .moe_unpermute import moe_unpermute
+from .swiglu import swiglu
+
+__all__ = ["moe_experts"]
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                gate_up_proj_bias=None, down_proj_bias=None, transposed: bool = False,
+                activation: str = "silu", gate=None) -> tf.Tensor:
+    """The routed experts with transformers' experts arguments, as
+    fusedlayers.torch.moe_experts (shapes, layouts, activation, gate): moe_permute, each
+    expert's matmuls over its row range (tf.split by the offsets), the gated activation and
+    moe_unpermute. Returns (tokens, hidden) in hidden_states' dtype. Raises ValueError for an
+    unknown activation and what the ops raise (InvalidArgumentError)."""
+    if gate is None and activation not in ACTIVATIONS:
+        raise ValueError(f"fusedlayers.moe_experts: activation must be one of "
+                         f"{', '.join(ACTIVATIONS)}, got {activation!r}")
+    hidden_states = tf.convert_to_tensor(hidden_states)
+    num_experts = int(gate_up_proj.shape[0])
+    xs, row_index, offsets = moe_permute(hidden_states, top_k_index, num_experts)
+    expert = None
+    if gate_up_proj_bias is not None or down_proj_bias is not None:
+        rows = tf.range(tf.shape(xs)[0], dtype=tf.int32)
+        expert = tf.minimum(tf.searchsorted(offsets, rows, side="right"), num_experts - 1)
+    h = grouped_matmul(tf.cast(xs, gate_up_proj.dtype), gate_up_proj, offsets, transposed)
+    if gate_up_proj_bias is not None:
+        h = h + tf.gather(gate_up_proj_bias, expert)
+    if gate is not None:
+        a = gate(h)
+    else:
+        ffn = h.shape[-1] // 2
+        g, u = h[:, :ffn], h[:, ffn:]
+        a = swiglu(g, u) if activation == "silu" else \
+            geglu(g, u, "tanh" if activation == "gelu_tanh" else "none")
+    y = grouped_matmul(a, down_proj, offsets, transposed)
+    if down_proj_bias is not None:
+        y = y + tf.gather(down_proj_bias, expert)
+    weights = tf.convert_to_tensor(top_k_weights)
+    if weights.dtype not in (y.dtype, tf.float32):
+        weights = tf.cast(weights, y.dtype)
+    return tf.cast(moe_unpermute(y, top_k_index, row_index, weights, num_experts),
+                   hidden_states.dtype)
+
+
+def grouped_matmul(x, weight, offsets, transposed: bool):
+    """x's rows of each expert (offsets: their ends) times its weight ((num_experts, out, in),
+    or (num_experts, in, out) transposed); rows past the last expert's are zeros."""
+    num_experts = int(weight.shape[0])
+    starts = tf.concat([[0], offsets[:-1]], 0)
+    rest = tf.shape(x)[0] - offsets[-1]
+    parts = tf.split(x, tf.concat([offsets - starts, [rest]], 0), num=num_experts + 1)
+    out = [tf.matmul(parts[e], weight[e], transpose_b=not transposed) for e in range(num_experts)]
+    cols = weight.shape[2] if transposed else weight.shape[1]
+    return tf.concat(out + [tf.zeros([rest, cols], x.dtype)], 0)
+
+
+def reference(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+              transposed=False):
+    """The unfused computation, expert by expert in TF ops (SwiGLU)."""
+    out = tf.zeros_like(hidden_states)
+    for e in range(int(gate_up_proj.shape[0])):
+        where = tf.where(tf.equal(top_k_index, e))
+        token = where[:, 0]
+        h = tf.matmul(tf.gather(hidden_states, token), gate_up_proj[e], transpose_b=not transposed)
+        g, u = tf.split(h, 2, axis=-1)
+        y = tf.matmul(tf.nn.silu(g) * u, down_proj[e], transpose_b=not transposed)
+        w = tf.cast(tf.gather_nd(top_k_weights, where), y.dtype)[:, None]
+        out = tf.tensor_scatter_nd_add(out, token[:, None], y * w)
+    return out
+
+
+def bench_case(shape, dtype: tf.DType) -> Case:
+    """shape (tokens, hidden, ffn, num_experts, top_k), against the expert-by-expert form;
+    work: the GEMMs' flops."""
+    tokens, hidden, ffn, experts, top_k = shape
+    x = _op.random((tokens, hidden), dtype)
+    w1 = _op.random((experts, 2 * ffn, hidden), dtype, seed=1, scale=hidden ** -0.5)
+    w2 = _op.random((experts, hidden, ffn), dtype, seed=2, scale=ffn ** -0.5)
+    index, weights = bench_routing(tokens, experts, top_k, dtype)
+    flops = 6 * tokens * top_k * hidden * ffn
+    return Case(lambda x, w, w1, w2: moe_experts(x, index, w, w1, w2),
+                lambda x, w, w1, w2: reference(x, index, w, w1, w2), [x, weights, w1, w2],
+                {"fwd": flops, "fwd+bwd": 3 * flops})
