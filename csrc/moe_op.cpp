@@ -62,7 +62,8 @@ MoeShape moe_route_check(const char* op, const IndexRef& top_k_index, int64_t nu
 
 MoeShape moe_scatter_check(const char* op, const MoeScatter& a) {
   MoeShape s = moe_route_check(op, a.top_k_index, a.num_experts);
-  const char* in_name = a.ys.defined ? "dout" : "x";
+  // the permute's x, or the unpermute backward's dout
+  const char* in_name = std::string(op).rfind("moe_unpermute", 0) == 0 ? "dout" : "x";
   if (a.in.sizes.size != 2)
     arg_error(op, std::string(in_name) + " must be 2-D (tokens, hidden), got shape " +
                       a.in.sizes.str());
@@ -81,7 +82,8 @@ MoeShape moe_scatter_check(const char* op, const MoeScatter& a) {
 
 MoeShape moe_gather_check(const char* op, const MoeGather& a) {
   MoeShape s = moe_route_check(op, a.top_k_index, a.num_experts);
-  const char* in_name = a.weights.defined ? "ys" : "dxs";
+  // the unpermute's ys, or the permute backward's dxs
+  const char* in_name = std::string(op).rfind("moe_unpermute", 0) == 0 ? "ys" : "dxs";
   if (a.in.sizes.size != 2)
     arg_error(op, std::string(in_name) + " must be 2-D (tokens * top_k, hidden), got shape " +
                       a.in.sizes.str());

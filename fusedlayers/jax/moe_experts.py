@@ -96,7 +96,8 @@ def reference(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
 
 def bench_case(shape, dtype) -> Case:
     """shape (tokens, hidden, ffn, num_experts, top_k), against the jnp block (reference) under
-    jit; work: the GEMMs' flops (forward 6 * tokens * top_k * hidden * ffn, backward twice)."""
+    jit; "gemm": the two ragged dots alone (the floor); work: the GEMMs' flops (forward
+    6 * tokens * top_k * hidden * ffn, backward twice)."""
     tokens, hidden, ffn, experts, top_k = shape
     key = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(key[0], (tokens, hidden), dtype)
@@ -104,6 +105,12 @@ def bench_case(shape, dtype) -> Case:
     w2 = (jax.random.normal(key[2], (experts, hidden, ffn)) / ffn ** 0.5).astype(dtype)
     index, weights = bench_routing(tokens, experts, top_k, dtype)
     flops = 6 * tokens * top_k * hidden * ffn
+    xs, _, offsets = moe_permute(x, index, experts)
+    sizes = jnp.diff(offsets, prepend=0)
+
+    def gemm(x, w, w1, w2):
+        h = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), sizes)
+        return jax.lax.ragged_dot(h[:, :ffn], jnp.swapaxes(w2, 1, 2), sizes)
     return Case(lambda x, w, w1, w2: moe_experts(x, index, w, w1, w2),
                 lambda x, w, w1, w2: reference(x, index, w, w1, w2), [x, weights, w1, w2],
-                {"fwd": flops, "fwd+bwd": 3 * flops})
+                {"fwd": flops, "fwd+bwd": 3 * flops}, variants={"gemm": gemm})

@@ -8,6 +8,7 @@ input and, if it differs, left as it was and reported,
 as is the whole model's output. The report is `clone.fusedlayers_report`.
 """
 
+import importlib.util
 import math
 
 import keras
@@ -47,7 +48,10 @@ def fuse(model: keras.Model, *, verbose: bool = False, **enabled: bool) -> keras
                         f"ops are {', '.join(ops.NAMES)}")
     replacements = {}  # Keras layer class -> the fused layer class with its config and weights
     for op in ops.OPS:
-        for name in ops.module(op, "keras").__all__ if enabled.get(op.name, True) else ():
+        if not enabled.get(op.name, True) or \
+                importlib.util.find_spec(f"fusedlayers.keras.{op.name}") is None:
+            continue  # an op without a Keras layer (moe_permute, moe_unpermute)
+        for name in ops.module(op, "keras").__all__:
             fused = getattr(ops.module(op, "keras"), name)
             if getattr(fused, "fuse_replaces", None) is not None:
                 replacements[fused.fuse_replaces] = fused

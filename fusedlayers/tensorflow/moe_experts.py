@@ -83,13 +83,17 @@ def reference(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
 
 def bench_case(shape, dtype: tf.DType) -> Case:
     """shape (tokens, hidden, ffn, num_experts, top_k), against the expert-by-expert form;
-    work: the GEMMs' flops."""
+    "gemm": the two per-expert matmul sets alone (the floor); work: the GEMMs' flops."""
     tokens, hidden, ffn, experts, top_k = shape
     x = _op.random((tokens, hidden), dtype)
     w1 = _op.random((experts, 2 * ffn, hidden), dtype, seed=1, scale=hidden ** -0.5)
     w2 = _op.random((experts, hidden, ffn), dtype, seed=2, scale=ffn ** -0.5)
     index, weights = bench_routing(tokens, experts, top_k, dtype)
     flops = 6 * tokens * top_k * hidden * ffn
+    xs, _, offsets = moe_permute(x, index, experts)
+
+    def gemm(x, w, w1, w2):
+        return grouped_matmul(grouped_matmul(xs, w1, offsets, False)[:, :ffn], w2, offsets, False)
     return Case(lambda x, w, w1, w2: moe_experts(x, index, w, w1, w2),
                 lambda x, w, w1, w2: reference(x, index, w, w1, w2), [x, weights, w1, w2],
-                {"fwd": flops, "fwd+bwd": 3 * flops})
+                {"fwd": flops, "fwd+bwd": 3 * flops}, variants={"gemm": gemm})

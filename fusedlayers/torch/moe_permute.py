@@ -31,15 +31,17 @@ def moe_permute(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int):
 
 
 def routing(top_k_index: torch.Tensor, num_experts: int):
-    """The route in stock torch ops: (order, valid, row_index int64, offsets int64), order the
-    stable sort of the pairs by expert (pairs with no expert last)."""
+    """The route in stock torch ops, none in place (ONNX export writes it): (order, valid,
+    row_index int64, offsets int64), order the stable sort of the pairs by expert (pairs with no
+    expert last): a sort of unique keys, expert * pairs + pair."""
     flat = top_k_index.reshape(-1).long()
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, num_experts)
-    order = torch.sort(key, stable=True).indices
-    row_index = torch.empty_like(order)
-    row_index[order] = torch.arange(order.numel(), device=order.device)
-    offsets = torch.cumsum(torch.bincount(key, minlength=num_experts + 1)[:num_experts], 0)
+    position = torch.arange(flat.numel(), device=flat.device)
+    order = torch.argsort(key * flat.numel() + position)
+    row_index = torch.argsort(order)  # the inverse permutation
+    experts = torch.arange(num_experts, device=flat.device)
+    offsets = torch.cumsum((key[None, :] == experts[:, None]).sum(1), 0)
     return order, valid, row_index, offsets
 
 
