@@ -34,6 +34,15 @@ constexpr int64_t kMaxExperts = 8192;  // the CUDA route counts experts in share
 
 enum class IndexType { kInt32, kInt64 };
 
+// Calls fn(I{}) with I the C type of an IndexType.
+template <typename Fn>
+void dispatch_index(IndexType type, Fn&& fn) {
+  if (type == IndexType::kInt32)
+    fn(int32_t{});
+  else
+    fn(int64_t{});
+}
+
 // An integer tensor handed to an op, contiguous.
 struct IndexRef {
   const void* data = nullptr;

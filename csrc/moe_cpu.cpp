@@ -15,15 +15,6 @@ bool routed(I e, int64_t num_experts) {
   return e >= 0 && static_cast<int64_t>(e) < num_experts;
 }
 
-// Calls fn(I{}) with I the C type of `type`.
-template <typename Fn>
-void dispatch_index(IndexType type, Fn&& fn) {
-  if (type == IndexType::kInt32)
-    fn(int32_t{});
-  else
-    fn(int64_t{});
-}
-
 // Calls fn(T{}, W{}): T the storage type of `dtype`, W the weights' (T where absent).
 template <typename Fn>
 void dispatch_weights(DType dtype, const TensorRef& weights, Fn&& fn) {

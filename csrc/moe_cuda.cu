@@ -228,14 +228,6 @@ __global__ void __launch_bounds__(kRowThreads) gather_kernel(MoeGather a, MoeSha
   }
 }
 
-template <typename Fn>
-void dispatch_index(IndexType type, Fn&& fn) {
-  if (type == IndexType::kInt32)
-    fn(int32_t{});
-  else
-    fn(int64_t{});
-}
-
 // fn(T{}, W{}, I{}, N): the storage types, and 16-byte vectors where H and every row pointer
 // allow (else one element).
 template <typename Fn>

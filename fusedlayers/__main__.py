@@ -115,8 +115,8 @@ def bench(argv: list[str]) -> int:
                                        "a GPU-bound one on CUDA, 8 on the CPU)")
     model.add_argument("--precision",
                        help="torch: autocast (bf16 compute, fp32 params), bf16 (bf16 params), "
-                            "fp32 (default: autocast,bf16; qwen3-moe: bf16); Keras: its dtype policies, "
-                            "mixed_bfloat16 or float32 (default: mixed_bfloat16)")
+                            "fp32 (default: autocast,bf16; qwen3-moe: bf16); Keras: its dtype "
+                            "policies, mixed_bfloat16 or float32 (default: mixed_bfloat16)")
     model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
     model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
     model.add_argument("--distributed", action="store_true",

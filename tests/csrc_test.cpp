@@ -14,6 +14,7 @@
 #include "csrc/gated.h"
 #include "csrc/layer_norm.h"
 #include "csrc/linear_gelu.h"
+#include "csrc/moe.h"
 #include "csrc/relu_scale.h"
 #include "csrc/rms_norm.h"
 #include "csrc/rope.h"
@@ -540,6 +541,65 @@ void half_conversion_test() {
 
 }  // namespace
 
+// MoE routing: the route (a stable sort by expert, sentinels last), the permute's rows, the
+// weighted unpermute and its backward (dys, dweights), against loops in double.
+void moe_test(std::mt19937_64& rng) {
+  const int64_t tokens = 11, top_k = 3, hidden = 5, experts = 4;
+  std::uniform_int_distribution<int64_t> pick(-1, experts);  // -1 and `experts`: no expert
+  std::vector<int64_t> idx(tokens * top_k);
+  for (auto& e : idx) e = pick(rng);
+  const std::vector<int64_t> is{tokens, top_k}, xs_shape{tokens, hidden},
+      rows_shape{tokens * top_k, hidden}, ps{tokens * top_k};
+  std::vector<float> x = randn(rng, tokens * hidden), w = randn(rng, tokens * top_k),
+                     dout = randn(rng, tokens * hidden);
+  std::vector<int32_t> rows(tokens * top_k), offsets(experts);
+  const IndexRef index{idx.data(), IndexType::kInt64, {is.data(), 2}};
+  const IndexRef row_ref{rows.data(), IndexType::kInt32, {ps.data(), 1}};
+  const Exec exec = threads_exec(2);
+  std::vector<float> xs(tokens * top_k * hidden, -1.0f);
+  MoeScatter permute{ref(x, xs_shape), index, row_ref, experts};
+  permute.out = xs.data();
+  const MoeShape s = moe_scatter_check("moe_permute", permute);
+  moe_route({index, experts, rows.data(), offsets.data()}, s, exec);
+  moe_scatter(permute, s, exec);
+  // the route: pairs by expert, in pair order within one, those of no expert last
+  int64_t next = 0;
+  for (int64_t e = 0; e <= experts; ++e) {
+    for (int64_t p = 0; p < tokens * top_k; ++p) {
+      const bool none = idx[p] < 0 || idx[p] >= experts;
+      if ((e == experts) == none && (none || idx[p] == e))
+        expect(rows[p] == next++, "moe route: pair " + std::to_string(p));
+    }
+    if (e < experts) expect(offsets[e] == next, "moe offsets " + std::to_string(e));
+  }
+  std::vector<double> xs_ref(xs.size()), out_ref(tokens * hidden, 0), dys_ref(xs.size());
+  std::vector<double> dw_ref(tokens * top_k, 0);
+  for (int64_t p = 0; p < tokens * top_k; ++p) {
+    const bool none = idx[p] < 0 || idx[p] >= experts;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const int64_t t = p / top_k, r = rows[p] * hidden + i;
+      xs_ref[r] = none ? 0 : x[t * hidden + i];
+      if (none) continue;
+      out_ref[t * hidden + i] += double(w[p]) * xs[r];
+      dys_ref[r] = double(w[p]) * dout[t * hidden + i];
+      dw_ref[p] += double(xs[r]) * dout[t * hidden + i];
+    }
+  }
+  expect_close(xs, xs_ref, 0, 0, "moe_permute rows");
+  std::vector<float> out(tokens * hidden), dys(xs.size()), dw(tokens * top_k);
+  const std::vector<int64_t> ws{tokens, top_k};
+  MoeGather unpermute{ref(xs, rows_shape), index, row_ref, experts, ref(w, ws), out.data()};
+  moe_gather(unpermute, moe_gather_check("moe_unpermute", unpermute), exec);
+  expect_close(out, out_ref, 1e-6, 1e-6, "moe_unpermute");
+  MoeScatter backward{ref(dout, xs_shape), index, row_ref, experts, ref(w, ws), ref(xs, rows_shape),
+                      dys.data(), dw.data()};
+  moe_scatter(backward, moe_scatter_check("moe_unpermute_backward", backward), exec);
+  expect_close(dys, dys_ref, 1e-6, 1e-6, "moe_unpermute_backward dys");
+  expect_close(dw, dw_ref, 1e-6, 1e-6, "moe_unpermute_backward dweights");
+  expect_error([&] { moe_route_check("moe_permute", index, 0); },
+               "num_experts must be in [1, 8192], got 0", "moe num_experts");
+}
+
 int main(int argc, char** argv) {
   const unsigned long long seed = argc > 1 ? std::stoull(argv[1]) : 0;
   std::mt19937_64 rng(seed);
@@ -550,6 +610,7 @@ int main(int argc, char** argv) {
   norm_test(rng, true);
   linear_gelu_epilogue_test(rng);
   linear_gelu_test(rng);
+  moe_test(rng);
   half_conversion_test();
   const uint64_t half_digest = half_layer_norm_test(rng);
 #ifndef FUSEDLAYERS_WITH_CUDA

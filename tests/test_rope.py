@@ -34,6 +34,16 @@ def test_matches_transformers_apply_rotary_pos_emb():
         assert rel_err(got, want) <= 1e-6
 
 
+def test_half_angles_match_gpt_oss():
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+    from fusedlayers.torch import apply_rotary_pos_emb_half_angles
+    q, k, cos, sin = llama_qkcs()
+    half = cos.shape[-1] // 2
+    got = apply_rotary_pos_emb_half_angles(q, k, cos[..., :half], sin[..., :half])
+    for g, want in zip(got, apply_rotary_pos_emb(q, k, cos[..., :half], sin[..., :half])):
+        assert rel_err(g, want) <= 1e-6
+
+
 def test_results_keep_q_layout_and_inputs_are_untouched():
     q, k, cos, sin = llama_qkcs()
     q0, k0 = q.detach().clone(), k.detach().clone()

@@ -49,7 +49,8 @@ Triple permute_kernel(const at::Tensor& x_in, const at::Tensor& top_k_index_in,
   const at::Tensor idx = index_tensor(op, "top_k_index", top_k_index_in, "x", x_in);
   const at::Tensor x = x_in.contiguous();
   MoeRoute route{index_ref(idx), num_experts};
-  const MoeShape rs = call_csrc([&] { return moe_route_check(op, route.top_k_index, num_experts); });
+  const MoeShape rs =
+      call_csrc([&] { return moe_route_check(op, route.top_k_index, num_experts); });
   const auto int_options = x.options().dtype(at::kInt);
   at::Tensor row_index = at::empty({rs.pairs()}, int_options);
   at::Tensor offsets = at::empty({num_experts}, int_options);

@@ -142,10 +142,9 @@ def _fuse_experts(model: nn.Module, report: FuseReport) -> None:
         forward, why = fuse_experts(module)
         if forward is not None:
             module.forward = forward
-            gate = "its own gate" if forward.__func__.gate_fn else "swiglu/geglu"
             report.swapped.append((path, _describe(module),
-                                   f"fusedlayers.torch.moe_experts with {gate} (this instance's "
-                                   f"forward; `del module.forward` undoes it)"))
+                                   f"fusedlayers.torch.moe_experts, gate {forward.fused_gate} "
+                                   f"(this instance's forward; `del module.forward` undoes it)"))
         elif why is not None:
             report.left.append((path, _describe(module), f"experts: {why}"))
 

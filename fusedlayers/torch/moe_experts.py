@@ -30,7 +30,8 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     """The routed experts of a mixture-of-experts layer (Shazeer et al. 2017, arXiv:1701.06538),
     with the arguments and result of transformers' experts modules (Qwen3-MoE, Mixtral, OLMoE,
     DeepSeek-V3, gpt-oss, ...):
-        out[t] = sum_j top_k_weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, j]
+        out[t] = sum_j top_k_weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)),
+        e = top_k_index[t, j],
     as moe_permute (sort and gather), a grouped GEMM, the gated activation (fusedlayers.swiglu /
     geglu on the two halves, read in place), a grouped GEMM and moe_unpermute (weighted sum).
 
@@ -177,7 +178,9 @@ def fuse_experts(module: torch.nn.Module):
             down_proj_bias=self.down_proj_bias if has_bias else None, transposed=transposed,
             activation=activation, gate=None if gate is None else self._apply_gate)
 
-    forward.gate_fn = gate is not None  # the report says whose gate runs
+    # what runs as the gate, for fuse()'s report
+    forward.fused_gate = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu(approximate="
+                          "'tanh')"}.get(activation, "the module's own _apply_gate")
     fused = types.MethodType(forward, module)
     why = _probe(module, fused, transposed)
     return (None, why) if why else (fused, None)

@@ -10,7 +10,7 @@ import torch
 from ..bench.case import Case
 from . import _op
 
-__all__ = ["apply_rotary_pos_emb", "rope"]
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_half_angles", "rope"]
 rope_op = _op.handle("rope")
 
 
@@ -36,6 +36,18 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     """Drop-in for `transformers.models.llama.modeling_llama.apply_rotary_pos_emb` (and the models
     that copy it, partial rotary included): `rope(q, k, cos, sin, unsqueeze_dim)`."""
     return rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def apply_rotary_pos_emb_half_angles(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """Drop-in for gpt-oss's `apply_rotary_pos_emb`, whose cos and sin hold each angle once
+    (head_dim / 2 columns) and rotate the two halves of each head: the same rotation as
+    `rope` with cos and sin repeated for both halves."""
+    return rope(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), unsqueeze_dim)
+
+
+# fuse()'s candidates for a modeling module's apply_rotary_pos_emb, by the cos and sin they take:
+# (function, rotated dims per angle column)
+_CANDIDATES = ((apply_rotary_pos_emb, 1), (apply_rotary_pos_emb_half_angles, 2))
 
 
 def reference(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
@@ -120,13 +132,20 @@ def fuse_attention(module: torch.nn.Module):
         return None, None  # not a RoPE attention: nothing to report
     if "forward" in module.__dict__:
         return None, "its forward is already an instance attribute"
+    if "apply_rotary_pos_emb_interleave" in inner.__code__.co_names:
+        return None, ("it may call apply_rotary_pos_emb_interleave (DeepSeek's latent attention: "
+                      "interleaved pairs written de-interleaved), which the rope op does not do")
     original = inner.__globals__.get("apply_rotary_pos_emb")
     if not callable(original):
         return None, "apply_rotary_pos_emb is not a function of its modeling module"
-    why = _probe(original, module)
+    why = None
+    for candidate, per_angle in _CANDIDATES:
+        why = _probe(original, module, candidate, per_angle)
+        if not why:
+            break
     if why:
         return None, why
-    new = _with_global(inner, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    new = _with_global(inner, "apply_rotary_pos_emb", candidate)
     for i in range(len(chain) - 2, -1, -1):  # re-make each decorator's wrapper around the new one
         wrapper, old = chain[i], chain[i + 1]
         cells = wrapper.__closure__ if isinstance(wrapper, types.FunctionType) else None
@@ -164,8 +183,9 @@ def _with_global(fn, name=None, value=None, old=None, new=None):
     return out
 
 
-def _probe(original, module) -> str | None:
-    """Why original (the modeling module's apply_rotary_pos_emb) is not ours on a probe, or None."""
+def _probe(original, module, candidate, per_angle: int) -> str | None:
+    """Why original (the modeling module's apply_rotary_pos_emb) is not candidate on a probe,
+    or None. per_angle: the dims one column of cos rotates (2 for gpt-oss's half angles)."""
     like = next(iter(module.parameters()), None)
     if like is None or like.device.type == "meta":
         return "no parameters on a real device to probe it with"
@@ -175,18 +195,23 @@ def _probe(original, module) -> str | None:
     gen = torch.Generator(device=like.device).manual_seed(0)
     opts = dict(generator=gen, device=like.device, dtype=torch.float32)
     q, k = torch.randn(2, 3, 5, head_dim, **opts), torch.randn(2, 1, 5, head_dim, **opts)
+    tried = False
     for rotary in (head_dim, head_dim // 2 if head_dim % 4 == 0 else head_dim):
-        cos, sin = torch.randn(2, 5, rotary, **opts), torch.randn(2, 5, rotary, **opts)
+        if rotary % (2 * per_angle):
+            continue
+        cols = rotary // per_angle
+        cos, sin = torch.randn(2, 5, cols, **opts), torch.randn(2, 5, cols, **opts)
         try:
             want = original(q, k, cos, sin)
         except Exception:  # partial rotary is not the modeling function's: not probed
             continue
-        got = rope(q, k, cos, sin)
+        tried = True
+        got = candidate(q, k, cos, sin)
         if not all(isinstance(w, torch.Tensor) and w.shape == g.shape and
                    torch.allclose(w, g, rtol=1e-5, atol=1e-5) for w, g in zip(want, got)):
             return f"its apply_rotary_pos_emb differs from fusedlayers.rope on a probe " \
                    f"(rotary_dim {rotary})"
-    return None
+    return None if tried else "its apply_rotary_pos_emb fails on every probe"
 
 
 def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = False) -> Case:
