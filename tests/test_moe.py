@@ -349,7 +349,7 @@ def test_fuse_swaps_experts_and_keeps_loss_and_gradients(name):
     experts = [p for p, m in fused.named_modules() if hasattr(m, "is_transposed")]
     swapped = {p for p, _, _ in fused.fusedlayers_report.swapped}
     assert experts and set(experts) <= swapped, fused.fusedlayers_report
-    if name in ("qwen3_moe", "gpt_oss"):  # gpt-oss's RoPE: cos and sin of half the dims
+    if name in ("qwen3_moe", "gpt_oss", "deepseek_v3"):  # gpt-oss: half angles; DeepSeek: pairs
         assert {p for p, m in fused.named_modules() if p.endswith("self_attn")} <= swapped
     ids = torch.randint(0, 101, (2, 11))
     out, fout = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)

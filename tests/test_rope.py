@@ -44,6 +44,21 @@ def test_half_angles_match_gpt_oss():
         assert rel_err(g, want) <= 1e-6
 
 
+def test_interleave_matches_deepseek_v3():
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from fusedlayers.torch import apply_rotary_pos_emb_interleave
+    theirs = getattr(modeling_deepseek_v3, "apply_rotary_pos_emb_interleave", None)
+    if theirs is None:
+        pytest.skip("this transformers' DeepSeek-V3 has no apply_rotary_pos_emb_interleave")
+    q, k, cos, sin = llama_qkcs()
+    for got, want in zip(apply_rotary_pos_emb_interleave(q, k, cos, sin), theirs(q, k, cos, sin)):
+        assert rel_err(got, want) <= 1e-6
+    dq = torch.randn_like(q)
+    g1 = torch.autograd.grad(apply_rotary_pos_emb_interleave(q, k, cos, sin)[0], q, dq)[0]
+    g2 = torch.autograd.grad(theirs(q, k, cos, sin)[0], q, dq)[0]
+    assert rel_err(g1, g2) <= 1e-6
+
+
 def test_results_keep_q_layout_and_inputs_are_untouched():
     q, k, cos, sin = llama_qkcs()
     q0, k0 = q.detach().clone(), k.detach().clone()

@@ -114,7 +114,8 @@ def _fuse_rope(model: nn.Module, report: FuseReport) -> None:
             module.forward = forward
             report.swapped.append((path, _describe(module),
                                    "fusedlayers.torch.rope (this instance's forward calls it for "
-                                   "apply_rotary_pos_emb; `del module.forward` undoes it)"))
+                                   "its modeling module's rotary functions; `del module.forward` "
+                                   "undoes it)"))
         elif why is not None:
             report.left.append((path, _describe(module), f"RoPE: {why}"))
 

@@ -10,7 +10,8 @@ import torch
 from ..bench.case import Case
 from . import _op
 
-__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_half_angles", "rope"]
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_half_angles",
+           "apply_rotary_pos_emb_interleave", "rope"]
 rope_op = _op.handle("rope")
 
 
@@ -45,9 +46,24 @@ def apply_rotary_pos_emb_half_angles(q, k, cos, sin, unsqueeze_dim: int = 1):
     return rope(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), unsqueeze_dim)
 
 
-# fuse()'s candidates for a modeling module's apply_rotary_pos_emb, by the cos and sin they take:
-# (function, rotated dims per angle column)
-_CANDIDATES = ((apply_rotary_pos_emb, 1), (apply_rotary_pos_emb_half_angles, 2))
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """Drop-in for DeepSeek-V3's `apply_rotary_pos_emb_interleave` (its latent attention's
+    rotary slice): interleaved pairs (x[2i], x[2i + 1]) rotated by the angles in cos's and sin's
+    first half, written de-interleaved (the pairs' first elements, then their second ones). The
+    rope op's interleaved rotation, then one copy that de-interleaves. position_ids: unused, as
+    in transformers."""
+    half = cos.shape[-1] // 2
+    cos, sin = (t[..., :half].repeat_interleave(2, -1) for t in (cos, sin))
+    q_embed, k_embed = rope(q, k, cos, sin, unsqueeze_dim, interleaved=True)
+    return tuple(torch.cat((t[..., 0::2], t[..., 1::2]), -1) for t in (q_embed, k_embed))
+
+
+# fuse()'s candidates for a modeling module's rotary functions, by name: (function, rotated dims
+# per column of cos)
+_CANDIDATES = {
+    "apply_rotary_pos_emb": ((apply_rotary_pos_emb, 1), (apply_rotary_pos_emb_half_angles, 2)),
+    "apply_rotary_pos_emb_interleave": ((apply_rotary_pos_emb_interleave, 1),),
+}
 
 
 def reference(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
@@ -118,34 +134,37 @@ DECOMPOSITIONS = {"rope": _forward, "rope_backward": _backward}
 
 def fuse_attention(module: torch.nn.Module):
     """fuse()'s rule for RoPE, which Hugging Face attention calls as a function, not a module: for
-    an attention module whose forward calls `apply_rotary_pos_emb` from its modeling module, the
-    same forward (its decorators kept) reading `apply_rotary_pos_emb` as fusedlayers', bound to
-    this instance only (the modeling module and other instances are untouched; `del
-    module.forward` undoes it). Returns (forward, None), or (None, why not) where the forward
-    does not have that form or the modeling module's function does not match ours on a probe."""
+    an attention module whose forward calls `apply_rotary_pos_emb` (or DeepSeek's
+    `apply_rotary_pos_emb_interleave`) from its modeling module, the same forward (its decorators
+    kept) reading each as fusedlayers' candidate that matches it on a probe (_CANDIDATES: the
+    rotate-half form, gpt-oss's half angles, DeepSeek's interleaved pairs), bound to this
+    instance only (the modeling module and other instances are untouched; `del module.forward`
+    undoes it). Returns (forward, None), or (None, why not) where the forward does not have that
+    form or no candidate matches the modeling module's function."""
     chain = [type(module).forward]
     while hasattr(chain[-1], "__wrapped__"):
         chain.append(chain[-1].__wrapped__)
     inner = chain[-1]
-    if not isinstance(inner, types.FunctionType) or \
-            "apply_rotary_pos_emb" not in inner.__code__.co_names:
+    names = [n for n in _CANDIDATES if isinstance(inner, types.FunctionType) and
+             n in inner.__code__.co_names]
+    if not names:
         return None, None  # not a RoPE attention: nothing to report
     if "forward" in module.__dict__:
         return None, "its forward is already an instance attribute"
-    if "apply_rotary_pos_emb_interleave" in inner.__code__.co_names:
-        return None, ("it may call apply_rotary_pos_emb_interleave (DeepSeek's latent attention: "
-                      "interleaved pairs written de-interleaved), which the rope op does not do")
-    original = inner.__globals__.get("apply_rotary_pos_emb")
-    if not callable(original):
-        return None, "apply_rotary_pos_emb is not a function of its modeling module"
-    why = None
-    for candidate, per_angle in _CANDIDATES:
-        why = _probe(original, module, candidate, per_angle)
-        if not why:
-            break
-    if why:
-        return None, why
-    new = _with_global(inner, "apply_rotary_pos_emb", candidate)
+    ours = {}
+    for name in names:
+        original = inner.__globals__.get(name)
+        if not callable(original):
+            return None, f"{name} is not a function of its modeling module"
+        why = None
+        for candidate, per_angle in _CANDIDATES[name]:
+            why = _probe(original, module, candidate, per_angle)
+            if not why:
+                ours[name] = candidate
+                break
+        if why:
+            return None, why
+    new = _with_global(inner, ours)
     for i in range(len(chain) - 2, -1, -1):  # re-make each decorator's wrapper around the new one
         wrapper, old = chain[i], chain[i + 1]
         cells = wrapper.__closure__ if isinstance(wrapper, types.FunctionType) else None
@@ -166,13 +185,12 @@ def _cell_value(cell):
         return _EMPTY
 
 
-def _with_global(fn, name=None, value=None, old=None, new=None):
-    """fn with global `name` bound to value (in a copy of its globals) and its closure's cells
-    that hold `old` holding `new` instead."""
+def _with_global(fn, values=None, old=None, new=None):
+    """fn with the globals in `values` (name -> value) bound in a copy of its globals, and its
+    closure's cells that hold `old` holding `new` instead."""
     g = fn.__globals__
-    if name is not None:
-        g = dict(g)
-        g[name] = value
+    if values:
+        g = {**g, **values}
     closure = fn.__closure__
     if old is not None:
         closure = tuple(types.CellType(new) if _cell_value(c) is old else c for c in closure)
@@ -189,9 +207,10 @@ def _probe(original, module, candidate, per_angle: int) -> str | None:
     like = next(iter(module.parameters()), None)
     if like is None or like.device.type == "meta":
         return "no parameters on a real device to probe it with"
-    head_dim = getattr(module, "head_dim", None)
+    # the rotated slice's width: DeepSeek's latent attention rotates qk_rope_head_dim dims
+    head_dim = getattr(module, "qk_rope_head_dim", None) or getattr(module, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim % 2:
-        return "no even head_dim attribute"
+        return "no even head_dim (or qk_rope_head_dim) attribute"
     gen = torch.Generator(device=like.device).manual_seed(0)
     opts = dict(generator=gen, device=like.device, dtype=torch.float32)
     q, k = torch.randn(2, 3, 5, head_dim, **opts), torch.randn(2, 1, 5, head_dim, **opts)
