@@ -17,10 +17,21 @@ void check_param_dtype(const char* pass, DType dtype, DType param_dtype) {
     fail(std::string(pass) + ": parameter dtype " + dtype_name(param_dtype) + " for x of " +
          dtype_name(dtype));
 }
+
+// A residual stream of x's dtype, or float32 under float16/bfloat16 x: the parameters' rule.
+void check_residual_dtype(const char* pass, DType dtype, DType residual_dtype) {
+  if (!norm_param_dtype_ok(dtype, residual_dtype))
+    fail(std::string(pass) + ": residual dtype " + dtype_name(residual_dtype) + " for x of " +
+         dtype_name(dtype));
+}
 }  // namespace
 
 void norm_forward(const NormForwardArgs& a, const Exec& exec) {
   check_param_dtype("norm_forward", a.dtype, a.param_dtype);
+  if (a.residual) {
+    check_residual_dtype("norm_forward", a.dtype, a.residual_dtype);
+    if (!a.h && a.rows > 0) fail("norm_forward: h is null");
+  }
   FUSEDLAYERS_ON_DEVICE(exec, norm_forward_cpu(a, exec.parallel_for),
                         norm_forward_cuda(a, exec.stream));
 }
@@ -37,6 +48,12 @@ void norm_backward(const NormBackwardArgs& a, const Exec& exec) {
     fail("norm_backward: saved_is_output and beta need NormMode::kLayer");
   if ((a.dgamma || a.dbeta) && !a.workspace) fail("norm_backward: workspace is null");
   check_param_dtype("norm_backward", a.dtype, a.param_dtype);
+  if (a.add) {
+    check_residual_dtype("norm_backward", a.dtype, a.residual_dtype);
+    if (a.saved_is_output) fail("norm_backward: add saves h, not the output");
+    if ((a.dresidual != nullptr) != (a.residual_dtype != a.dtype))
+      fail("norm_backward: dresidual must be given exactly when the residual's dtype is not x's");
+  }
   FUSEDLAYERS_ON_DEVICE(exec, norm_backward_cpu(a, exec.parallel_for),
                         norm_backward_cuda(a, exec.stream));
 }

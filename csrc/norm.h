@@ -53,6 +53,10 @@ struct NormForwardArgs {
   float gamma_offset;
   NormMode mode;
   DType dtype, param_dtype;
+  // The add+norm forward: residual (rows x cols, residual_dtype) or nullptr; h like residual.
+  const void* residual = nullptr;
+  void* h = nullptr;
+  DType residual_dtype = DType::kFloat32;
 };
 
 // saved: x, or y when `saved_is_output` (Apex's memory_efficient mode, kLayer only: xhat =
@@ -76,6 +80,13 @@ struct NormBackwardArgs {
   bool saved_is_output;
   NormMode mode;
   DType dtype, param_dtype;
+  // The add+norm backward (`add`): saved is h, of residual_dtype; dh (like h) may be nullptr;
+  // dresidual (like h) is written where residual_dtype is not dtype and must be nullptr where
+  // it is (dx then holds it).
+  bool add = false;
+  const void* dh = nullptr;
+  void* dresidual = nullptr;
+  DType residual_dtype = DType::kFloat32;
 };
 
 // The device kernels; callers use norm_forward / norm_backward below, which check the

@@ -1,6 +1,8 @@
 // CPU row normalization (math and dtypes: norm.h): rows split over tasks for the forward and
 // dx; dgamma/dbeta summed per fixed chunk of rows into the workspace, then over chunks in chunk
 // order, so results are thread-count invariant. Rows run in target clones (cpu_types.h).
+// With a residual, each task adds a block of rows into h (still in cache) and runs the norm's
+// row loops on it; a float32 residual under 16-bit x runs them in float32, x converted.
 #include "cpu_vec.h"  // first: it includes the intrinsics before cpu_types.h
 #include "norm.h"
 
@@ -293,6 +295,27 @@ FUSEDLAYERS_CPU_CLONES void backward_rows(const BackwardArgs<T, A>& a, A* pg, A*
   }
 }
 
+// Rows per block of the add+norm passes: about 16K elements, a block of h stays in L2.
+int64_t block_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / cols); }
+
+// out[i] = round_R(a[i] + b[i]) for n values.
+template <typename R, typename T, typename U>
+FUSEDLAYERS_CPU_CLONES void add_rows(const T* a, const U* b, R* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = cpu::from_acc<R>(cpu::to_acc(a[i]) + cpu::to_acc(b[i]));
+}
+
+// The add+norm backward's last step over n values (norm.h): d = the norm's dx in R, then
+// dresidual = round_R(d + dh) (dh may be null), and dx = dresidual in T. out_r may alias d.
+template <typename T, typename R>
+FUSEDLAYERS_CPU_CLONES void finish_dresidual(const R* d, const R* dh, R* out_r, T* dx,
+                                             int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const R v = dh ? cpu::from_acc<R>(cpu::to_acc(d[i]) + cpu::to_acc(dh[i])) : d[i];
+    if (out_r) out_r[i] = v;
+    if (dx) dx[i] = cpu::from_acc<T>(cpu::to_acc(v));
+  }
+}
+
 }  // namespace
 
 void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for) {
@@ -306,13 +329,43 @@ void norm_forward_cpu(const NormForwardArgs& a, const ParallelFor& parallel_for)
     const cpu::Row<A> g = gamma_or_one<P, A>(a.gamma, cols, a.gamma_offset);
     const cpu::Row<A> b =
         cpu::param_or<P, A>(a.mode == NormMode::kLayer ? a.beta : nullptr, cols, A(0));
-    const int64_t grain = std::max<int64_t>(1, 16384 / cols);
-    const ForwardArgs<T, A> args{static_cast<const T*>(a.x), g.data(), b.data(),
-                                 static_cast<T*>(a.y), static_cast<A*>(a.mean),
-                                 static_cast<A*>(a.rstd), cols, static_cast<A>(a.eps), a.mode};
+    const int64_t grain = block_rows(cols);
+    A* mean = static_cast<A*>(a.mean);
+    A* rstd = static_cast<A*>(a.rstd);
+    const A eps = static_cast<A>(a.eps);
+    if (!a.residual) {
+      const ForwardArgs<T, A> args{static_cast<const T*>(a.x), g.data(), b.data(),
+                                   static_cast<T*>(a.y), mean, rstd, cols, eps, a.mode};
+      parallel_for(a.rows, grain, [&](int64_t begin, int64_t end) {
+        cpu::Row<A> buf(static_cast<size_t>(cols));
+        forward_rows(args, buf.data(), begin, end);
+      });
+      return;
+    }
+    // Rows [r, r + n) of each block: h = x + residual, then the norm of h (the args' rows
+    // offset to the block's first).
+    const auto block = [&](auto r_tag, int64_t r, int64_t n, A* buf, auto* y_block) {
+      using R = decltype(r_tag);
+      R* h = static_cast<R*>(a.h) + r * cols;
+      add_rows(static_cast<const T*>(a.x) + r * cols, static_cast<const R*>(a.residual) + r * cols,
+               h, n * cols);
+      const ForwardArgs<R, A> args{h, g.data(), b.data(), y_block, mean ? mean + r : nullptr,
+                                   rstd + r, cols, eps, a.mode};
+      forward_rows(args, buf, 0, n);
+    };
     parallel_for(a.rows, grain, [&](int64_t begin, int64_t end) {
       cpu::Row<A> buf(static_cast<size_t>(cols));
-      forward_rows(args, buf.data(), begin, end);
+      if (a.residual_dtype == a.dtype) {
+        for (int64_t r = begin; r < end; r += grain)
+          block(T{}, r, std::min(grain, end - r), buf.data(), static_cast<T*>(a.y) + r * cols);
+      } else if constexpr (std::is_same_v<A, float>) {  // a float32 residual: y staged in float
+        cpu::Row<float> y(static_cast<size_t>(grain * cols));
+        for (int64_t r = begin; r < end; r += grain) {
+          const int64_t n = std::min(grain, end - r);
+          block(float{}, r, n, buf.data(), y.data());
+          cpu::store(y.data(), static_cast<T*>(a.y) + r * cols, n * cols);
+        }
+      }
     });
   });
 }
@@ -343,17 +396,47 @@ void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_fo
                                   static_cast<const A*>(a.mean), static_cast<const A*>(a.rstd),
                                   g.data(), b.data(), static_cast<T*>(a.dx), cols,
                                   a.saved_is_output, a.mode};
+    // The norm's backward over rows [begin, end) of args (pg, pb: this chunk's partials).
+    const auto rows_of = [&](const auto& args, A* pg, A* pb, A* buf, int64_t begin, int64_t end) {
+      if (centred_from_input)
+        centred_rows(args, pg, pb, begin, end);
+      else
+        backward_rows(args, pg, pb, buf, begin, end);
+    };
+    const int64_t grain = block_rows(cols);
     parallel_for(chunks, 1, [&](int64_t cbegin, int64_t cend) {
       cpu::Row<A> buf(centred_from_input ? 0 : static_cast<size_t>(3 * cpu::row_stride<A>(cols)));
+      const bool staged = a.add && a.residual_dtype != a.dtype;  // float32 h under 16-bit x
+      cpu::Row<A> dy_block(staged ? static_cast<size_t>(grain * cols) : 0);
+      cpu::Row<A> dx_block(staged ? static_cast<size_t>(grain * cols) : 0);
       for (int64_t c = cbegin; c < cend; ++c) {
         A* pg = want_params ? partial + c * 2 * cols : nullptr;
         A* pb = want_params ? pg + cols : nullptr;
         if (want_params) std::fill(pg, pg + 2 * cols, A(0));
         const int64_t begin = c * per_chunk, end = std::min(rows, (c + 1) * per_chunk);
-        if (centred_from_input)
-          centred_rows(args, pg, pb, begin, end);
-        else
-          backward_rows(args, pg, pb, buf.data(), begin, end);
+        if (!staged) {
+          rows_of(args, pg, pb, buf.data(), begin, end);
+          if (a.add && a.dh)  // dx += dh, on rows still in cache
+            finish_dresidual<T>(args.dx + begin * cols,
+                                static_cast<const T*>(a.dh) + begin * cols,
+                                args.dx + begin * cols, static_cast<T*>(nullptr),
+                                (end - begin) * cols);
+          continue;
+        }
+        if constexpr (std::is_same_v<A, float>) {
+          for (int64_t r = begin; r < end; r += grain) {
+            const int64_t n = std::min(grain, end - r), off = r * cols;
+            cpu::load(args.dy + off, dy_block.data(), n * cols);
+            const BackwardArgs<float, float> f{
+                dy_block.data(), static_cast<const float*>(a.saved) + off,
+                args.mean ? args.mean + r : nullptr, args.rstd + r, g.data(), b.data(),
+                dx_block.data(), cols, false, a.mode};
+            rows_of(f, pg, pb, buf.data(), 0, n);
+            finish_dresidual(dx_block.data(),
+                             a.dh ? static_cast<const float*>(a.dh) + off : nullptr,
+                             static_cast<float*>(a.dresidual) + off, args.dx + off, n * cols);
+          }
+        }
       }
     });
 

@@ -16,6 +16,11 @@
 // the device holds at once (SM count times the kernel's occupancy), fixed per device and kernel,
 // so results are reproducible. The forward has no such partials: one row group per block.
 //
+// The add+norm ops (a residual) run in the same kernels where the residual has x's dtype: the
+// forward adds it to the row as it loads (writing h), the backward adds dh as it stores dx, so
+// either pass still reads and writes each element once. A float32 residual under 16-bit x
+// (residual_in_fp32) takes the streaming kernels, whose row type is the residual's.
+//
 // gamma/beta are read as vectors like the rows (the launchers check their alignment too): one
 // 16-byte load per 8 bf16 columns instead of 8 scalar loads. The backward, which is bound by its
 // instruction rate rather than by memory, stages gamma once per block as float in shared memory.
@@ -203,9 +208,37 @@ __device__ __forceinline__ void store_row(T* row, int cols, int lane, Fill&& fil
   }
 }
 
+// h = x + residual rounded to T over a thread's share of a row (in v, which holds x), written
+// to h: the row the norm then takes.
+template <typename T, int N, typename S>
+__device__ __forceinline__ void add_residual(const T* res, T* h, int cols, int lane,
+                                             A (&v)[S::kIters][N]) {
+#pragma unroll
+  for (int it = 0; it < S::kIters; ++it) {
+    const int c = column<N, S>(it, lane);
+    if (c >= cols) continue;
+    const auto in = *reinterpret_cast<const Vec<T, N>*>(res + c);
+    Vec<T, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      out.v[k] = from_acc<T>(v[it][k] + to_acc(in.v[k]));
+      v[it][k] = to_acc(out.v[k]);
+    }
+    *reinterpret_cast<Vec<T, N>*>(h + c) = out;
+  }
+}
+
+// dresidual's value from the norm's dx (rounded to R first, as the unfused norm's output) and
+// dh, the gradient of h from its other uses (csrc/norm.h).
+template <typename R>
+__device__ __forceinline__ A plus_dh(A dx, const R* dh, int64_t i) {
+  return dh ? to_acc(from_acc<R>(dx)) + to_acc(dh[i]) : dx;
+}
+
 template <typename T, typename P, int N, typename S>
 __global__ void __launch_bounds__(S::kBlock)
-    forward_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
+    forward_kernel(const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ h,
+                   const P* __restrict__ gamma,
                    const P* __restrict__ beta, T* __restrict__ y, A* __restrict__ mean,
                    A* __restrict__ rstd, int64_t rows, int cols, A inv_cols, A eps,
                    A goff, NormMode mode) {
@@ -215,10 +248,13 @@ __global__ void __launch_bounds__(S::kBlock)
        r += int64_t(gridDim.x) * S::kRowsPerBlock) {
     A v[S::kIters][N];
     load_row<T, N, S>(x + r * cols, cols, lane, v);
+    if (residual) add_residual<T, N, S>(residual + r * cols, h + r * cols, cols, lane, v);
     A mu = 0;
     if (mode != NormMode::kRms) {  // uniform over the row slot, as row_sum's barriers need
       // The mean as x[0] + mean(x - x[0]) (see norm_cpu.cpp); x[0] is one broadcast load.
-      const A x0 = to_acc(x[r * cols]);
+      const A x0 = residual ? to_acc(from_acc<T>(to_acc(x[r * cols]) +
+                                                 to_acc(residual[r * cols])))
+                            : to_acc(x[r * cols]);
       A sum = 0;
 #pragma unroll
       for (int it = 0; it < S::kIters; ++it) {
@@ -290,9 +326,10 @@ template <typename T, typename P, int N, typename S, int kSums>
 __global__ void __launch_bounds__(S::kBlock)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
                     const A* __restrict__ mean, const A* __restrict__ rstd,
-                    const P* __restrict__ gamma, const P* __restrict__ beta, T* __restrict__ dx,
-                    A* __restrict__ partial, int64_t rows, int cols, A inv_cols, A goff,
-                    bool saved_is_output, NormMode mode) {
+                    const P* __restrict__ gamma, const P* __restrict__ beta,
+                    const T* __restrict__ dh, T* __restrict__ dx, A* __restrict__ partial,
+                    int64_t rows, int cols, A inv_cols, A goff, bool saved_is_output,
+                    NormMode mode) {
   const bool centred = mode == NormMode::kLayer;
   __shared__ A smem[S::kRowsPerBlock * S::kWarps * 3];
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
@@ -393,6 +430,11 @@ __global__ void __launch_bounds__(S::kBlock)
         const A g = dy_gamma(to_acc(dys[it].v[k]), gm[k]);
         out[k] = rs * (g - k_mean - (xhat(it, k, gm, bt) - shift) * k_xhat);
       }
+      if (dh) {
+        const auto d = *reinterpret_cast<const Vec<T, N>*>(dh + r * cols + c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) out[k] = to_acc(from_acc<T>(out[k])) + to_acc(d.v[k]);
+      }
     });
   }
   if (!partial) return;
@@ -417,16 +459,28 @@ __global__ void __launch_bounds__(S::kBlock)
     }
 }
 
-// Rows too wide for registers: a block per row, three passes over the row in memory.
-template <typename T, typename P>
+// Rows too wide for registers, or a residual of another dtype than x's: a block per row, three
+// passes over the row in memory. R: the type of the row normalized (x's, or the residual's and
+// h's).
+template <typename T, typename P, typename R>
 __global__ void __launch_bounds__(kStreamThreads)
-    forward_stream_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
+    forward_stream_kernel(const T* __restrict__ x, const R* __restrict__ residual,
+                          R* __restrict__ h, const P* __restrict__ gamma,
                           const P* __restrict__ beta, T* __restrict__ y, A* __restrict__ mean,
                           A* __restrict__ rstd, int64_t rows, int64_t cols, A inv_cols, A eps,
                           A goff, NormMode mode) {
   __shared__ A smem[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * cols;
+    const R* xr;  // the row normalized
+    if (residual) {
+      R* hr = h + r * cols;
+      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+        hr[c] = from_acc<R>(to_acc(x[r * cols + c]) + to_acc(residual[r * cols + c]));
+      __syncthreads();  // h[0] is read by every thread below
+      xr = hr;
+    } else {
+      xr = reinterpret_cast<const R*>(x + r * cols);  // R is T without a residual
+    }
     A mu = 0;
     if (mode != NormMode::kRms) {
       const A x0 = to_acc(xr[0]);  // the mean as x[0] + mean(x - x[0]), as above
@@ -452,12 +506,14 @@ __global__ void __launch_bounds__(kStreamThreads)
 }
 
 // Block b owns partial row b and accumulates into it over the rows it visits.
-template <typename T, typename P>
+// R: saved's type (x's, or h's with a residual); dh and dresidual are R's (either may be null).
+template <typename T, typename P, typename R>
 __global__ void __launch_bounds__(kStreamThreads)
-    backward_stream_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
+    backward_stream_kernel(const T* __restrict__ dy, const R* __restrict__ saved,
                            const A* __restrict__ mean, const A* __restrict__ rstd,
                            const P* __restrict__ gamma, const P* __restrict__ beta,
-                           T* __restrict__ dx, A* __restrict__ partial, int64_t rows,
+                           const R* __restrict__ dh, T* __restrict__ dx,
+                           R* __restrict__ dresidual, A* __restrict__ partial, int64_t rows,
                            int64_t cols, A inv_cols, A goff, bool saved_is_output,
                            NormMode mode) {
   __shared__ A smem[32];
@@ -466,7 +522,7 @@ __global__ void __launch_bounds__(kStreamThreads)
   if (pg)
     for (int64_t c = threadIdx.x; c < 2 * cols; c += blockDim.x) pg[c] = 0;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* sr = saved + r * cols;
+    const R* sr = saved + r * cols;
     const T* dyr = dy + r * cols;
     const A rs = rstd[r];
     const A mu = saved_is_output || mode == NormMode::kRms ? A(0) : mean[r];
@@ -498,7 +554,14 @@ __global__ void __launch_bounds__(kStreamThreads)
     const A k_xhat = centred ? mgx : rs * mgx;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
       const A g = dy_gamma(to_acc(dyr[c]), gamma_at(gamma, c, goff));
-      dx[r * cols + c] = from_acc<T>(rs * (g - k_mean - (xhat(c) - shift) * k_xhat));
+      const int64_t i = r * cols + c;
+      const A d = plus_dh(rs * (g - k_mean - (xhat(c) - shift) * k_xhat), dh, i);
+      if (dresidual) {
+        dresidual[i] = from_acc<R>(d);
+        dx[i] = from_acc<T>(to_acc(dresidual[i]));
+      } else {
+        dx[i] = from_acc<T>(d);
+      }
     }
   }
 }
@@ -585,6 +648,18 @@ void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
     const A eps = A(a.eps), goff = A(a.gamma_offset);
     const A inv_cols = A(1.0 / double(cols));  // means as products: no division in the kernels
     const int64_t max_blocks = int64_t(cuda::sm_count()) * 32;  // streaming kernel
+    const int64_t stream_blocks = std::min(rows, max_blocks);
+    if (a.residual && a.residual_dtype != a.dtype) {  // float32 residual, 16-bit x
+      if constexpr (sizeof(T) == 2) {
+        forward_stream_kernel<T, P, float><<<stream_blocks, kStreamThreads, 0, stream>>>(
+            xp, static_cast<const float*>(a.residual), static_cast<float*>(a.h), gp, bp, yp, mp,
+            rp, rows, cols, inv_cols, eps, goff, a.mode);
+        cuda::check_launch("norm forward");
+      }
+      return;
+    }
+    const T* res = static_cast<const T*>(a.residual);
+    T* hp = static_cast<T*>(a.h);
     auto launch = [&](auto n_tag) {
       constexpr int N = decltype(n_tag)::value;
       using Shapes = ShapesFor<T, ForwardShapes16, ForwardShapes32>;
@@ -595,18 +670,19 @@ void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
         const int64_t blocks = std::min<int64_t>((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
                                                  INT32_MAX);
         forward_kernel<T, P, N, S><<<blocks, S::kBlock, 0, stream>>>(
-            xp, gp, bp, yp, mp, rp, rows, int(cols), inv_cols, eps, goff, a.mode);
+            xp, res, hp, gp, bp, yp, mp, rp, rows, int(cols), inv_cols, eps, goff, a.mode);
         return true;
       });
     };
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = cols % kVec == 0 && cuda::aligned(xp, 16) && cuda::aligned(yp, 16) &&
+                     (!res || (cuda::aligned(res, 16) && cuda::aligned(hp, 16))) &&
                      params_aligned(gp, bp, kVec * sizeof(P));
     const bool done = vec ? launch(std::integral_constant<int, kVec>{})
                           : launch(std::integral_constant<int, 1>{});
     if (!done)
-      forward_stream_kernel<T, P><<<std::min(rows, max_blocks), kStreamThreads, 0, stream>>>(
-          xp, gp, bp, yp, mp, rp, rows, cols, inv_cols, eps, goff, a.mode);
+      forward_stream_kernel<T, P, T><<<stream_blocks, kStreamThreads, 0, stream>>>(
+          xp, res, hp, gp, bp, yp, mp, rp, rows, cols, inv_cols, eps, goff, a.mode);
     cuda::check_launch("norm forward");
   });
 }
@@ -637,6 +713,16 @@ void norm_backward_cuda(const NormBackwardArgs& a, cudaStream_t stream) {
     int64_t groups = 0;  // groups of partials: one per block
     // dbeta partials only where dbeta is wanted and exists (the stream kernel always keeps both).
     int sums = a.dbeta && a.mode == NormMode::kLayer ? 2 : 1;
+    const auto launch_stream = [&](auto r_tag) {
+      using R = decltype(r_tag);
+      sums = 2;
+      groups = std::max<int64_t>(1, std::min(rows, int64_t(cuda::sm_count()) * 2));
+      backward_stream_kernel<T, P, R><<<groups, kStreamThreads, 0, stream>>>(
+          dyp, static_cast<const R*>(a.saved), mp, rp, gp, bp, static_cast<const R*>(a.dh),
+          dxp, static_cast<R*>(a.dresidual), partial, rows, cols, inv_cols, goff,
+          saved_is_output, a.mode);
+    };
+    const T* dhp = a.add ? static_cast<const T*>(a.dh) : nullptr;
     auto launch = [&](auto n_tag, auto sums_tag) {
       constexpr int N = decltype(n_tag)::value, kSums = decltype(sums_tag)::value;
       using Shapes = ShapesFor<T, BackwardShapes16, BackwardShapes32>;
@@ -653,26 +739,24 @@ void norm_backward_cuda(const NormBackwardArgs& a, cudaStream_t stream) {
                         int64_t(cuda::sm_count()) * per_sm));
         groups = blocks;
         backward_kernel<T, P, N, S, kSums><<<blocks, S::kBlock, smem, stream>>>(
-            dyp, sp, mp, rp, gp, bp, dxp, partial, rows, int(cols), inv_cols, goff,
+            dyp, sp, mp, rp, gp, bp, dhp, dxp, partial, rows, int(cols), inv_cols, goff,
             saved_is_output, a.mode);
         return true;
       });
     };
     constexpr int kVec = 16 / sizeof(T);
     const bool vec = cols % kVec == 0 && cuda::aligned(dyp, 16) && cuda::aligned(sp, 16) &&
-                     cuda::aligned(dxp, 16) && params_aligned(gp, bp, kVec * sizeof(P));
+                     cuda::aligned(dxp, 16) && (!dhp || cuda::aligned(dhp, 16)) &&
+                     params_aligned(gp, bp, kVec * sizeof(P));
     auto launch_sums = [&](auto n_tag) {
       return sums == 2 ? launch(n_tag, std::integral_constant<int, 2>{})
                        : launch(n_tag, std::integral_constant<int, 1>{});
     };
-    const bool done = vec ? launch_sums(std::integral_constant<int, kVec>{})
-                          : launch_sums(std::integral_constant<int, 1>{});
-    if (!done) {
-      sums = 2;
-      groups = std::max<int64_t>(1, std::min(rows, int64_t(cuda::sm_count()) * 2));
-      backward_stream_kernel<T, P><<<groups, kStreamThreads, 0, stream>>>(
-          dyp, sp, mp, rp, gp, bp, dxp, partial, rows, cols, inv_cols, goff, saved_is_output,
-          a.mode);
+    if (a.add && a.residual_dtype != a.dtype) {  // float32 residual, 16-bit x
+      if constexpr (sizeof(T) == 2) launch_stream(float{});
+    } else if (!(vec ? launch_sums(std::integral_constant<int, kVec>{})
+                     : launch_sums(std::integral_constant<int, 1>{}))) {
+      launch_stream(T{});
     }
     cuda::check_launch("norm backward");
     if (!want_params) return;

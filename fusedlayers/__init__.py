@@ -1,5 +1,5 @@
-"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm, RMSNorm, the gated activations
-(SwiGLU, GeGLU), rotary embeddings (RoPE), linear + cross-entropy and the experts of
+"""fusedlayers: fused ReLU*scale, Linear+GELU, LayerNorm, RMSNorm (and each with the residual add
+before it), the gated activations (SwiGLU, GeGLU), rotary embeddings (RoPE), linear + cross-entropy and the experts of
 mixture-of-experts layers for PyTorch, TensorFlow and JAX, forward and backward, from one set of
 C++ kernels (csrc/).
 
@@ -102,6 +102,22 @@ def rms_norm(x, normalized_shape: int | Sequence[int], weight=None, eps: float |
     fusedlayers.torch.rms_norm for shapes, dtypes and errors."""
     backend = _backend(x, "rms_norm", weight=weight)
     return backend.rms_norm(x, normalized_shape, weight, eps, zero_centered)
+
+
+def add_rms_norm(x, residual, normalized_shape: int | Sequence[int], weight=None,
+                 eps: float | None = None, zero_centered: bool = False):
+    """(y, h): h = x + residual (in residual's dtype), y = rms_norm(h) in x's dtype, in one pass.
+    See fusedlayers.torch.add_rms_norm for shapes, dtypes and errors."""
+    backend = _backend(x, "add_rms_norm", residual=residual, weight=weight)
+    return backend.add_rms_norm(x, residual, normalized_shape, weight, eps, zero_centered)
+
+
+def add_layer_norm(x, residual, normalized_shape: int | Sequence[int], weight=None, bias=None,
+                   eps: float = 1e-5):
+    """(y, h): h = x + residual (in residual's dtype), y = layer_norm(h) in x's dtype, in one
+    pass. See fusedlayers.torch.add_layer_norm for shapes, dtypes and errors."""
+    backend = _backend(x, "add_layer_norm", residual=residual, weight=weight, bias=bias)
+    return backend.add_layer_norm(x, residual, normalized_shape, weight, bias, eps)
 
 
 def swiglu(gate, up):

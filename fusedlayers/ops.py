@@ -41,6 +41,9 @@ _NORM_SHAPES = {"cuda": ((32768, 768), (32768, 1024), (32768, 2048), (32768, 409
                          (8192, 8192), (8192, 12288)),
                 "cpu": ((4096, 768), (1024, 4097))}
 
+_ADD_NORM_SHAPES = {"cuda": ((8192, 2048), (8192, 4096), (8192, 8192)),
+                    "cpu": ((4096, 768), (1024, 4097))}
+
 _MOE_SHAPES = {"cuda": ((4096, 2048, 128, 8),), "cpu": ((1024, 512, 16, 4),)}
 
 _GATED_SHAPES = {"cuda": ((8192, 5632), (8192, 14336)), "cpu": ((2048, 2816),)}
@@ -51,6 +54,9 @@ OPS = (
        {"cuda": ((4096, 1024, 4096), (8192, 4096, 16384)), "cpu": ((2048, 512, 2048),)}),
     Op("layer_norm", "GB/s", _NORM_SHAPES),
     Op("rms_norm", "GB/s", _NORM_SHAPES),
+    # a decoder's residual stream at 8192 tokens: Llama-1B, -8B and -70B widths
+    Op("add_rms_norm", "GB/s", _ADD_NORM_SHAPES),
+    Op("add_layer_norm", "GB/s", _ADD_NORM_SHAPES),
     # (tokens, ffn): Llama-1B and -8B MLPs at 8192 tokens
     Op("swiglu", "GB/s", _GATED_SHAPES),
     Op("geglu", "GB/s", _GATED_SHAPES),

@@ -329,6 +329,107 @@ RMS_NORM = OpInfo(
     ))
 
 
+# ---------------------------------------------------------------- add_rms_norm, add_layer_norm
+
+def _add_norm_samples(params, kwargs):
+    """x and residual: fewer widths than the norms' (the kernels are theirs), the add's own
+    paths: 16-byte vectors and not, rows in registers and streamed."""
+    out = []
+    for shape, ns in [((0, 7), (7,)), ((33, 7), (7,)), ((33, 1000), (1000,)),
+                      ((3, 4097), (4097,)), ((2, 3, 5, 7), (5, 7)), ((7,), (7,))]:
+        for pid, present in params:
+            for f32 in (False, True) if any(present.values()) else (False,):
+                out.append(Sample(
+                    f"{list(shape)}/{list(ns)}-{pid}{'-f32' if f32 else ''}",
+                    {"x": shape, "residual": shape,
+                     **{k: ns if on else None for k, on in present.items()}},
+                    {"normalized_shape": ns, **kwargs}, params_f32=f32,
+                    input_names=("x", "residual")))
+    full = {k: (33,) for k in params[0][1]}
+    out += [Sample(f"[40, 33]/[33]-{lay}", {"x": (40, 33), "residual": (40, 33), **full},
+                   {"normalized_shape": (33,), **kwargs}, layout=lay,
+                   input_names=("x", "residual")) for lay in ("transposed", "sliced")]
+    out += [Sample(f"[{r}, {c}]/[{c}]", {"x": (r, c), "residual": (r, c),
+                                         **{k: (c,) for k in full}},
+                   {"normalized_shape": (c,), **kwargs}, cuda_only=True,
+                   input_names=("x", "residual"))
+            for r, c in ((1031, 2048), (257, 4096), (33, 65536))]
+    return tuple(out)
+
+
+def _add_norm_draw(rng, s):
+    """x and residual of different offsets and scales (their sum's mean matters), parameters
+    as the norms'."""
+    out = _norm_draw(rng, s)
+    out["residual"] = rng.normal(s.shapes["residual"], loc=rng.uniform(-2, 2),
+                                 scale=rng.uniform(0.5, 2))
+    return out
+
+
+def _add_norm_scales(norm_scales):
+    """The norm's scales at h = x + residual; the residual's gradient (dx's too) adds |dh|,
+    and h's rounding is relative to |x| + |residual|."""
+    def scales(t, dy, kw):
+        x, r = t["x"], t["residual"]
+        s = norm_scales({**t, "x": x + r}, dy[0], kw)
+        d = s.pop("dx") + dy[1].abs()
+        return {**s, "dx": d, "dresidual": d, "y1": x.abs() + r.abs()}
+    return scales
+
+
+def _add_norm_errors(op, kwargs):
+    two = {"x": ((3, 7), "float32"), "residual": ((3, 7), "float32")}
+    return (
+        ErrorInput("residual-shape", {**two, "residual": ((3, 8), "float32")},
+                   {"normalized_shape": 7, **kwargs}, False,
+                   rf"{op}: residual must have x's shape \[3, 7\], got \[3, 8\]"),
+        ErrorInput("residual-dtype", {**two, "residual": ((3, 7), "float64")},
+                   {"normalized_shape": 7, **kwargs}, True,
+                   rf"{op}: residual must have x's dtype float32, got float64"),
+        ErrorInput("half-x-float64-residual", {"x": ((3, 7), "bfloat16"),
+                                               "residual": ((3, 7), "float64")},
+                   {"normalized_shape": 7, **kwargs}, True,
+                   rf"{op}: residual must have x's dtype bfloat16 or float32, got float64"),
+        ErrorInput("trailing", two, {"normalized_shape": 8, **kwargs}, False,
+                   rf"{op}: the last 1 dimension\(s\) of x must equal normalized_shape \[8\]"),
+        ErrorInput("weight-dtype", {**two, "weight": ((7,), "float64")},
+                   {"normalized_shape": 7, **kwargs}, True,
+                   rf"{op}: weight must have x's dtype float32, got float64"),
+        *(ErrorInput(f"eps-{e}", two, {"normalized_shape": 7, **kwargs, "eps": e}, False,
+                     rf"{op}: eps must be finite and >= 0") for e in (math.nan, -1.0)),
+        ErrorInput("int-residual", {**two, "residual": ((3, 7), "int32")},
+                   {"normalized_shape": 7, **kwargs}, True,
+                   rf"{op}: residual must be float32, float64, float16 or bfloat16, "
+                   r"got (int32|Int)"),
+    )
+
+
+ADD_RMS_NORM = OpInfo(
+    "add_rms_norm",
+    _add_norm_samples([("weight", {"weight": True}), ("none", {"weight": False})],
+                      {"eps": _f32(1e-5), "zero_centered": False})
+    + (Sample("[9, 37]/[37]-zero-centered", {"x": (9, 37), "residual": (9, 37),
+                                             "weight": (37,)},
+              {"normalized_shape": (37,), "eps": _f32(1e-5), "zero_centered": True},
+              input_names=("x", "residual")),
+       Sample("[9, 37]/[37]-eps-none", {"x": (9, 37), "residual": (9, 37), "weight": (37,)},
+              {"normalized_shape": (37,), "eps": None, "zero_centered": False},
+              input_names=("x", "residual"))),
+    _add_norm_draw, reference.add_rms_norm, grad_scales=_add_norm_scales(_rms_norm_scales),
+    rows=_norm_rows,
+    reference_kwargs=lambda kw, dtype: {**kw, "eps": torch.finfo(dtype).eps
+                                        if kw["eps"] is None else kw["eps"]},
+    errors=_add_norm_errors("add_rms_norm", {}))
+
+ADD_LAYER_NORM = OpInfo(
+    "add_layer_norm",
+    _add_norm_samples([("affine", {"weight": True, "bias": True}),
+                       ("bias", {"weight": False, "bias": True}),
+                       ("none", {"weight": False, "bias": False})], {"eps": _f32(1e-5)}),
+    _add_norm_draw, reference.add_layer_norm, grad_scales=_add_norm_scales(_layer_norm_scales),
+    rows=_norm_rows, errors=_add_norm_errors("add_layer_norm", {}))
+
+
 # ---------------------------------------------------------------- swiglu and geglu
 
 def _gated_samples(kwargs_list):
@@ -504,4 +605,5 @@ ROPE = OpInfo(
                     r"q must be float32, float64, float16 or bfloat16, got (int32|Int)"),
     ))
 
-OP_DB = (RELU_SCALE, LINEAR_GELU, LAYER_NORM, RMS_NORM, SWIGLU, GEGLU, ROPE)
+OP_DB = (RELU_SCALE, LINEAR_GELU, LAYER_NORM, RMS_NORM, ADD_RMS_NORM, ADD_LAYER_NORM,
+         SWIGLU, GEGLU, ROPE)

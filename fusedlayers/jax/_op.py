@@ -287,3 +287,20 @@ def absent(dtype):
 
 def shape_attr(shape) -> np.ndarray:
     return np.asarray(shape, np.int64)
+
+
+def dresidual_result(h, dy) -> jax.ShapeDtypeStruct:
+    """The add+norm backward's dresidual result: like h, or empty where h has dy's dtype (dx is
+    the gradient of both x and residual)."""
+    return jax.ShapeDtypeStruct((0,) if h.dtype == dy.dtype else h.shape, h.dtype)
+
+
+def dresidual_role(h, dy) -> str:
+    """_op.call's role of that result: rows like x, or a whole (empty) array."""
+    return "p" if h.dtype == dy.dtype else "x"
+
+
+def add_norm_work(x) -> dict:
+    """The fewest bytes an add+norm moves (as fusedlayers.torch._op.add_norm_work)."""
+    n = x.size * x.dtype.itemsize
+    return {"fwd": 4 * n, "fwd+bwd": 8 * n}

@@ -56,3 +56,18 @@ class FusedLayer(keras.layers.Layer):
         return input_shape
 
 
+
+
+def add_on_trailing_axes(x, residual, axis, add_norm):
+    """add_norm(x, residual, norm_shape) -> (y, h) over the axes `axis`, moved to the trailing
+    dims and back as on_trailing_axes; residual in the dtype x + residual promotes to."""
+    residual = ops.cast(residual, keras.backend.result_type(x.dtype, residual.dtype))
+    ndim = len(x.shape)
+    axes = sorted(a % ndim for a in axis)
+    perm = [d for d in range(ndim) if d not in axes] + axes
+    if perm == list(range(ndim)):
+        return add_norm(x, residual, [x.shape[a] for a in axes])
+    inverse = [perm.index(d) for d in range(ndim)]
+    y, h = add_norm(ops.transpose(x, perm), ops.transpose(residual, perm),
+                    [x.shape[a] for a in axes])
+    return ops.transpose(y, inverse), ops.transpose(h, inverse)

@@ -98,3 +98,26 @@ def register_gradient(op_type: str):
             pass
         return fn
     return register
+
+
+def or_zeros(grad, like):
+    """An output's gradient as TF hands it to a gradient function: None where the output was
+    not used, zeros of its shape here."""
+    return tf.zeros_like(like) if grad is None else grad
+
+
+def or_absent(grad, like):
+    """dh for the add+norm gradient ops: an empty stand-in (has_dh False) where h was unused."""
+    return tf.zeros([0], like.dtype) if grad is None else grad
+
+
+def dresidual(dx, dresidual, h):
+    """The residual's gradient from the add+norm gradient ops: dx where h has dx's dtype (the
+    op's dresidual output is then empty), else that output."""
+    return dx if h.dtype == dx.dtype else dresidual
+
+
+def add_norm_work(x) -> dict:
+    """The fewest bytes an add+norm moves (as fusedlayers.torch._op.add_norm_work)."""
+    n = x.shape.num_elements() * x.dtype.size
+    return {"fwd": 4 * n, "fwd+bwd": 8 * n}

@@ -45,3 +45,21 @@ def check_devices(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
 def stat_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of the norms' mean/rstd for x (csrc/norm.h)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def dresidual_like(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The add+norm backward's dresidual result: like h, or empty where h has dy's dtype (dx is
+    the gradient of both x and residual)."""
+    return h.new_empty(0) if h.dtype == dy.dtype else h.new_empty(h.shape)
+
+
+def dresidual_of(dres: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dresidual as the add+norm backward returns it: dres, or empty where it has dy's dtype."""
+    return dres.new_empty(0) if dres.dtype == dy.dtype else dres
+
+
+def add_norm_work(x: torch.Tensor) -> dict:
+    """The fewest bytes an add+norm moves: the forward reads x and residual and writes y and h;
+    the backward reads dy, dh and h and writes dx (the residual's gradient is the same tensor)."""
+    n = x.numel() * x.element_size()
+    return {"fwd": 4 * n, "fwd+bwd": 8 * n}

@@ -20,6 +20,9 @@ What is recognised is structure, not class names:
   is such a pair (the linear layer's output is a temporary that only the GELU sees);
 - a ReLU (a stateless module whose output is exactly relu's) becomes `FusedReLUScale(1.0)`,
   which saves 1 bit per element for the backward instead of the output;
+- a residual add whose sum a block's norm takes (a pre-norm decoder's post-attention add, BERT's
+  `LayerNorm(hidden + input_tensor)`): the add inside the norm, add_rms_norm / add_layer_norm
+  (fusedlayers.torch.residual_add), per instance;
 - Hugging Face attention calling `apply_rotary_pos_emb` (fusedlayers.torch.rope), a Hugging
   Face causal LM's head and loss in training (fusedlayers.torch.causal_lm), and the experts
   modules of transformers' mixture-of-experts models (those of `use_experts_implementation`:
@@ -48,7 +51,10 @@ from ..fuse_report import FuseReport, class_name
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
 from .causal_lm import fuse_causal_lm
+from .layer_norm import LayerNorm
 from .moe_experts import fuse_experts
+from .residual_add import fuse_adds
+from .rms_norm import RMSNorm
 from .rope import fuse_attention
 
 # ||fused - original|| / ||original|| allowed on a probe, per dtype: rounding, not a different
@@ -91,6 +97,10 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
             fused_cls = getattr(ops.module(op, "torch"), "FUSED_MODULE", None)
             if fused_cls is not None and wanted[op.name]:
                 _fuse_modules(model, report, fused_cls, class_name(fused_cls))
+        fusing = tuple(cls for cls, op in ((RMSNorm, "add_rms_norm"), (LayerNorm, "add_layer_norm"))
+                       if wanted[op])
+        if fusing:
+            _fuse_residual_adds(model, report, fusing)
         if wanted["linear_gelu"] or wanted["relu_scale"]:
             _fuse_traced(model, report, wanted["linear_gelu"], wanted["relu_scale"])
         if wanted["rope"]:
@@ -118,6 +128,24 @@ def _fuse_rope(model: nn.Module, report: FuseReport) -> None:
                                    "undoes it)"))
         elif why is not None:
             report.left.append((path, _describe(module), f"RoPE: {why}"))
+
+
+def _fuse_residual_adds(model: nn.Module, report: FuseReport, fusing: tuple) -> None:
+    """Each block whose forward adds a residual and feeds the sum to one of its (fused) norms gets,
+    on the instance, a forward running the add inside the norm (fusedlayers.torch.residual_add):
+    per model instance, reported."""
+    for path, module in model.named_modules():
+        forward, found = fuse_adds(module, fusing)
+        if forward is not None:
+            module.forward = forward
+            ops_ = sorted({"add_rms_norm" if isinstance(getattr(module, n), RMSNorm)
+                           else "add_layer_norm" for n in found})
+            report.swapped.append((path, _describe(module),
+                                   f"fusedlayers.{'/'.join(ops_)}: the residual add before "
+                                   f"{', '.join(found)} (this instance's forward; "
+                                   f"`del module.forward` undoes it)"))
+        elif found is not None:
+            report.left.append((path, _describe(module), f"residual add: {found}"))
 
 
 def _fuse_causal_lm(model: nn.Module, report: FuseReport) -> None:

@@ -141,9 +141,7 @@ def fuse_attention(module: torch.nn.Module):
     instance only (the modeling module and other instances are untouched; `del module.forward`
     undoes it). Returns (forward, None), or (None, why not) where the forward does not have that
     form or no candidate matches the modeling module's function."""
-    chain = [type(module).forward]
-    while hasattr(chain[-1], "__wrapped__"):
-        chain.append(chain[-1].__wrapped__)
+    chain = forward_chain(module)
     inner = chain[-1]
     names = [n for n in _CANDIDATES if isinstance(inner, types.FunctionType) and
              n in inner.__code__.co_names]
@@ -164,8 +162,23 @@ def fuse_attention(module: torch.nn.Module):
                 break
         if why:
             return None, why
-    new = _with_global(inner, ours)
-    for i in range(len(chain) - 2, -1, -1):  # re-make each decorator's wrapper around the new one
+    return rewrapped(chain, _with_global(inner, ours), module)
+
+
+def forward_chain(module: torch.nn.Module) -> list:
+    """The class's forward and the functions its decorators wrap, outermost first (each one's
+    `__wrapped__`)."""
+    chain = [type(module).forward]
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    return chain
+
+
+def rewrapped(chain: list, new, module: torch.nn.Module):
+    """(forward, None): `new` in place of chain's innermost function, each decorator's wrapper
+    re-made around it (the closure cell that held the inner function holds the new one), bound
+    to `module`; or (None, why) where a wrapper does not hold the function it wraps."""
+    for i in range(len(chain) - 2, -1, -1):
         wrapper, old = chain[i], chain[i + 1]
         cells = wrapper.__closure__ if isinstance(wrapper, types.FunctionType) else None
         if not cells or not any(_cell_value(c) is old for c in cells):
