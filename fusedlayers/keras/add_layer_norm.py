@@ -24,8 +24,8 @@ class AddLayerNorm(LayerNorm):
         if self.rms_scaling:
             raise ValueError("AddLayerNorm: rms_scaling must be False")
 
-    def build(self, input_shape, residual_shape=None):
-        super().build(input_shape)
+    def build(self, x_shape, residual_shape=None):
+        super().build(x_shape)
 
     def call(self, x, residual):
         def add_norm(x, residual, norm_shape):
@@ -38,5 +38,5 @@ class AddLayerNorm(LayerNorm):
         y, h = add_on_trailing_axes(x, residual, self.axis, add_norm)
         return ops.cast(y, self.compute_dtype), h
 
-    def compute_output_shape(self, input_shape, residual_shape=None):
-        return input_shape, input_shape
+    def compute_output_shape(self, x_shape, residual_shape=None):
+        return x_shape, x_shape

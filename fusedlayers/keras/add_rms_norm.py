@@ -19,8 +19,8 @@ class AddRMSNorm(RMSNorm):
 
     fuse_replaces = None
 
-    def build(self, input_shape, residual_shape=None):
-        super().build(input_shape)
+    def build(self, x_shape, residual_shape=None):
+        super().build(x_shape)
 
     def call(self, x, residual):
         def add_norm(x, residual, norm_shape):
@@ -32,5 +32,5 @@ class AddRMSNorm(RMSNorm):
         y, h = add_on_trailing_axes(x, residual, self.axis, add_norm)
         return ops.cast(y, self.compute_dtype), h
 
-    def compute_output_shape(self, input_shape, residual_shape=None):
-        return input_shape, input_shape
+    def compute_output_shape(self, x_shape, residual_shape=None):
+        return x_shape, x_shape

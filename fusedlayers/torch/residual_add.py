@@ -7,7 +7,8 @@ forms:
   pre_feedforward_layernorm), GPT-2's block, ViT's layer (s is used after the norm too);
 - `self.<norm>(a + b)`: BERT's `LayerNorm(hidden_states + input_tensor)`.
 Each instance gets a forward of its own (its decorators kept: fusedlayers.torch.rope.rewrapped)
-whose call `_fusedlayers_add_norm(self.<norm>, a, b)` runs the fused op where it computes what
+whose call `_fusedlayers_add_norm(self.<norm>, a, b)` (the one name added to the modeling
+module) runs the fused op where it computes what
 the add and the norm computed (same shapes, device and dtype, a norm without hooks) and the
 add and the norm themselves otherwise; `del module.forward` undoes it. The add the block ends
 with feeds the next block's norm across the decoder loop, so it stays unfused."""
@@ -97,8 +98,12 @@ def fuse_adds(module: nn.Module, fusing: tuple):
     fn.decorator_list = []
     ast.fix_missing_locations(tree)
     ast.increment_lineno(tree, inner.__code__.co_firstlineno - 1)
-    scope = {**inner.__globals__, _CALL: add_norm}
-    exec(compile(tree, inspect.getsourcefile(inner) or "<fusedlayers>", "exec"), scope)
+    # The new forward reads the modeling module's own globals (torch.compile guards a function's
+    # globals through its module), with one private name added there: the dispatcher.
+    inner.__globals__[_CALL] = add_norm
+    scope = {}
+    exec(compile(tree, inspect.getsourcefile(inner) or "<fusedlayers>", "exec"),
+         inner.__globals__, scope)
     new = scope[fn.name]
     new.__defaults__, new.__kwdefaults__ = inner.__defaults__, inner.__kwdefaults__
     new.__qualname__, new.__doc__, new.__module__ = inner.__qualname__, inner.__doc__, \
