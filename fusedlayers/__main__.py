@@ -107,10 +107,15 @@ def bench(argv: list[str]) -> int:
         "whole models", "--model times training steps of a Hugging Face model (built from "
         "config), unfused vs fusedlayers.torch.fuse, instead of single ops; with --framework "
         "jax, of a Keras model on Keras' JAX backend (bert-base: a BERT-base-shaped encoder; "
-        "llama: 4 Llama-1B-shaped decoder blocks), unfused vs fused")
+        "llama: 4 Llama-1B-shaped decoder blocks; llama-lm, llama-lm-128k: the ~1.1B Llama LM "
+        "with its head and loss), unfused vs fused")
     model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2", "llama", "llama-lm",
                                            "llama-lm-128k", "qwen3-moe"))
     model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
+    model.add_argument("--jax-impl", default="",
+                       help="with --framework jax: ';'-separated FUSEDLAYERS_JAX_IMPL settings "
+                            "the fused model is timed under, one row each (e.g. "
+                            "';rope=xla;swiglu=xla': the defaults, then each op as XLA's formula)")
     model.add_argument("--batch", help="comma-separated batch sizes (default: a host-bound and "
                                        "a GPU-bound one on CUDA, 8 on the CPU)")
     model.add_argument("--precision",
@@ -130,8 +135,8 @@ def bench(argv: list[str]) -> int:
                         help="comma-separated, of mlp and the --model names")
     args = parser.parse_args(argv)
     if args.framework == "jax" and args.model:
-        if args.model not in ("bert-base", "llama"):
-            parser.error("--framework jax --model: bert-base or llama")
+        if args.model not in ("bert-base", "llama", "llama-lm", "llama-lm-128k"):
+            parser.error("--framework jax --model: bert-base, llama, llama-lm or llama-lm-128k")
         return _bench_keras_model(args)
 
     import torch
@@ -220,7 +225,8 @@ def _bench_keras_model(args) -> int:
     print(f"device: {name}, Keras' JAX backend\n{km.HEADER}", flush=True)
     rows = km.run(args.model, tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
                   tuple((args.precision or "mixed_bfloat16").split(",")), args.rounds,
-                  args.steps, tiny=args.tiny, log=lambda line: print(line, flush=True))
+                  args.steps, tiny=args.tiny, variants=tuple(args.jax_impl.split(";")),
+                  log=lambda line: print(line, flush=True))
     if args.json:
         km.write_json(args.json, rows, name)
     return 0

@@ -183,3 +183,56 @@ def test_keras_layers_on_the_jax_backend(seed):
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "KERAS_BACKEND": "jax"})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def _switchable(rng):
+    """(op, fn of the float arrays, arrays) for each op with an XLA formula (fusedlayers.jax._impl):
+    odd widths, a zero-centred gain, partial interleaved rotary."""
+    x, r = (jnp.asarray(rng.normal((3, 5, 37)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.normal(37), jnp.float32)
+    q, k = jnp.asarray(rng.normal((2, 5, 4, 12))), jnp.asarray(rng.normal((2, 5, 2, 12)))
+    angles = rng.uniform(-10, 10, (1, 5, 8))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    return {
+        "rms_norm": (lambda x, w: fl.rms_norm(x, 37, w, 1e-5, zero_centered=True), (x, w)),
+        "add_rms_norm": (lambda x, r, w: fl.add_rms_norm(x, r, 37, w, 1e-5), (x, r, w)),
+        "swiglu": (fl.swiglu, (3 * x, r)),
+        "rope": (lambda q, k: fl.rope(q, k, cos, sin, 2, True),
+                 (q.astype(jnp.float32), k.astype(jnp.float32))),
+    }
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu", "rope"])
+def test_xla_formula_matches_the_kernel(op, rng):
+    """The same results and gradients (float32 rounding) whichever implementation is forced, and
+    the forced one is what the program calls."""
+    fn, args = _switchable(rng)[op]
+    loss = lambda *a: sum(jnp.sum(o * o) for o in jax.tree.leaves(fn(*a)))  # noqa: E731
+    runs = {}
+    try:
+        for impl in ("kernel", "xla"):
+            flj.set_implementation(op, impl)
+            # fresh functions: jit keeps a function's trace, made under the choice of its time
+            text = jax.jit(lambda *a: loss(*a)).lower(*args).as_text()
+            assert (f"fusedlayers_{op}_forward" in text) == (impl == "kernel"), impl
+            runs[impl] = (jax.jit(lambda *a: fn(*a))(*args),
+                          jax.jit(jax.grad(lambda *a: loss(*a), range(len(args))))(*args))
+    finally:
+        flj.set_implementation(op, None)
+    for a, b in zip(jax.tree.leaves(runs["kernel"]), jax.tree.leaves(runs["xla"])):
+        assert rel_err(np.asarray(b, np.float64), np.asarray(a, np.float64)) <= 2e-6, op
+
+
+def test_implementation_switch_errors(monkeypatch):
+    with pytest.raises(ValueError, match="op must be one of"):
+        flj.set_implementation("relu_scale", "xla")
+    with pytest.raises(ValueError, match="implementation must be"):
+        flj.set_implementation("rope", "triton")
+    monkeypatch.setenv("FUSEDLAYERS_JAX_IMPL", "rope=xla,swiglu=fast")
+    with pytest.raises(ValueError, match="FUSEDLAYERS_JAX_IMPL"):
+        fl.rope(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 4)),
+                jnp.zeros((1, 2, 4)), 2)
+    monkeypatch.setenv("FUSEDLAYERS_JAX_IMPL", "rope=xla")
+    text = jax.jit(lambda q: fl.rope(q, q, jnp.ones((1, 2, 4)), jnp.zeros((1, 2, 4)), 2)
+                   ).lower(jnp.ones((1, 2, 1, 4))).as_text()
+    assert "fusedlayers_rope" not in text

@@ -41,11 +41,13 @@ class Stack(nn.Module):
 
 
 class LlamaOps(nn.Module):
-    """swiglu, geglu and rope on one projection's slices, as a decoder calls them."""
+    """swiglu, geglu and rope on one projection's slices, as a decoder calls them, and the
+    residual adds inside the norms after them."""
 
     def __init__(self, width: int = 37):
         super().__init__()
         self.proj, self.out = nn.Linear(width, 64), nn.Linear(16, width)
+        self.rms, self.ln = flt.AddRMSNorm(width, eps=1e-6), flt.AddLayerNorm(width)
 
     def forward(self, x):
         h = self.proj(x)
@@ -55,7 +57,10 @@ class LlamaOps(nn.Module):
         q, k = (h[..., i:i + 16].reshape(b, s, 2, 8).transpose(1, 2) for i in (32, 48))
         angles = torch.arange(s, dtype=x.dtype)[None, :, None] * torch.linspace(0.1, 1, 8)
         q, k = flt.rope(q, k, angles.cos(), angles.sin())
-        return self.out(mlp + (q + k).transpose(1, 2).reshape(b, s, 16))
+        y = self.out(mlp + (q + k).transpose(1, 2).reshape(b, s, 16))
+        y, h = self.rms(y, x)
+        y, h = self.ln(y, h)
+        return y + h
 
 
 class Routing(nn.Module):

@@ -15,7 +15,15 @@ unfused model computes the rotation and silu(gate) * up in keras.ops; the fused 
 with fusedlayers.keras.RotaryEmbedding and GatedMLP (the same weights) and passed through
 `fusedlayers.keras.fuse` for its RMSNormalizations.
 
-`tiny` shrinks either to 2 blocks of width 64 for a quick run on the CPU. Mixed precision as
+llama-lm / llama-lm-128k: a ~1.1B Llama language model as the torch bench's (16 such blocks,
+vocabularies 32000 / 128256, 4 x 2048 tokens) trained on its own next-token loss: the unfused
+model's head is a Dense layer whose logits Keras' sparse categorical cross-entropy reads
+(materialized); the fused one runs every residual add inside the next norm (AddRMSNorm, the
+blocks' adds across blocks included), SwiGLU, RoPE, and the head and loss as one
+LinearCrossEntropy; the head's weight transposed from the Dense kernel. The first forward's
+losses are compared.
+
+`tiny` shrinks each to 2 blocks of width 64 for a quick run on the CPU. Mixed precision as
 Keras' "mixed_bfloat16" policy (bfloat16 compute, float32 variables) or float32. A step is
 `model.fit` on one batch: forward, the mean square of the last hidden state, backward, AdamW.
 
@@ -37,11 +45,19 @@ CONFIGS = {"bert-base": dict(blocks=12, width=768, heads=12, mlp=3072, vocab=305
            "llama": dict(blocks=4, width=2048, heads=32, kv_heads=8, mlp=5632, vocab=32000,
                          seq=2048),
            "llama-tiny": dict(blocks=2, width=64, heads=4, kv_heads=2, mlp=160, vocab=1000,
-                              seq=64)}
+                              seq=64),
+           "llama-lm": dict(blocks=16, width=2048, heads=32, kv_heads=8, mlp=5632, vocab=32000,
+                            seq=2048),
+           "llama-lm-128k": dict(blocks=16, width=2048, heads=32, kv_heads=8, mlp=5632,
+                                 vocab=128256, seq=2048)}
+CONFIGS["llama-lm-tiny"] = CONFIGS["llama-lm-128k-tiny"] = CONFIGS["llama-tiny"]
 # The custom calls each fused model's compiled forward must contain.
-FUSED_OPS = {"bert-base": ("layer_norm", "linear_gelu"), "llama": ("rms_norm", "swiglu", "rope")}
+_LM_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy")
+FUSED_OPS = {"bert-base": ("layer_norm", "linear_gelu"), "llama": ("rms_norm", "swiglu", "rope"),
+             "llama-lm": _LM_OPS, "llama-lm-128k": _LM_OPS}
 DEFAULT_BATCHES = {"bert-base": {"gpu": (16, 32), "cpu": (4,)},
-                   "llama": {"gpu": (2, 4), "cpu": (4,)}}
+                   "llama": {"gpu": (2, 4), "cpu": (4,)},
+                   "llama-lm": {"gpu": (4,), "cpu": (2,)}, "llama-lm-128k": {"gpu": (4,), "cpu": (2,)}}
 HEADER = (f"{'model':<15}{'batch':>6} {'precision':<15}{'unfused ms':>11}{'fused ms':>10}"
           f"{'speedup':>9}{'1st fwd diff':>14}")
 
@@ -92,10 +108,11 @@ def build_bert(blocks: int, width: int, heads: int, mlp: int, vocab: int, seq: i
 
 
 def build_llama(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: int,
-                seq: int, fused: bool = False):
+                seq: int, fused: bool = False, lm: bool = False):
     """Llama decoder blocks as a functional keras.Model from token ids (batch, seq) int32 to the
     last normalized hidden state (batch, seq, width): with keras.ops' rotation and SwiGLU, or
-    (fused) fusedlayers.keras's layers, their weights created in the same order."""
+    (fused) fusedlayers.keras's layers, their weights created in the same order. lm: from token
+    ids and labels to the mean next-token loss (the module docstring)."""
     keras = _keras()
     from keras import layers, ops
 
@@ -138,11 +155,19 @@ def build_llama(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vo
 
     ids = keras.Input((seq,), dtype="int32")
     x = layers.Embedding(vocab, width)(ids)
+    if lm and fused:  # each add inside the norm after it; the same weights in the same order
+        y = flk.RMSNorm(epsilon=1e-5)(x)
+        for _ in range(blocks):
+            y, x = flk.AddRMSNorm(epsilon=1e-5)(Attention()(y), x)
+            y, x = flk.AddRMSNorm(epsilon=1e-5)(flk.GatedMLP(mlp)(y), x)
+        labels = keras.Input((seq,), dtype="int32")
+        return keras.Model([ids, labels], flk.LinearCrossEntropy(vocab)(y, labels))
     for _ in range(blocks):
         x = x + Attention()(layers.RMSNormalization(epsilon=1e-5)(x))
         mlp_layer = flk.GatedMLP(mlp) if fused else UnfusedGatedMLP(mlp)
         x = x + mlp_layer(layers.RMSNormalization(epsilon=1e-5)(x))
-    return keras.Model(ids, layers.RMSNormalization(epsilon=1e-5)(x))
+    y = layers.RMSNormalization(epsilon=1e-5)(x)
+    return keras.Model(ids, layers.Dense(vocab, use_bias=False)(y) if lm else y)
 
 
 def _models(name: str, config: dict):
@@ -151,21 +176,34 @@ def _models(name: str, config: dict):
     if name == "bert-base":
         unfused = build_bert(**config)
         return unfused, flk.fuse(unfused)
-    unfused = build_llama(**config)
-    fused = flk.fuse(build_llama(**config, fused=True))
-    fused.set_weights(unfused.get_weights())
+    lm = name.startswith("llama-lm")
+    unfused = build_llama(**config, lm=lm)
+    fused = build_llama(**config, fused=True, lm=lm)
+    fused = fused if lm else flk.fuse(fused)
+    weights = unfused.get_weights()
+    if lm:  # the head: a Dense kernel (width, vocab), LinearCrossEntropy's (vocab, width)
+        weights[-1] = weights[-1].T
+    fused.set_weights(weights)
     return unfused, fused
 
 
-def _compile(model):
+def _compile(model, lm: bool, fused: bool):
+    """AdamW on the mean square of the last hidden state, or (lm) on the loss: Keras' sparse
+    categorical cross-entropy of the logits, or the fused model's own (added) loss."""
     keras = _keras()
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
-                  loss=lambda _, y: keras.ops.mean(keras.ops.square(
-                      keras.ops.cast(y, "float32"))))
+    if lm:
+        loss = None if fused else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        def loss(_, y):
+            return keras.ops.mean(keras.ops.square(keras.ops.cast(y, "float32")))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4), loss=loss)
 
 
 def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = False,
-        log=print) -> list[KerasModelRow]:
+        variants=("",), log=print) -> list[KerasModelRow]:
+    """variants: FUSEDLAYERS_JAX_IMPL settings (fusedlayers.jax._impl) the fused model is traced
+    under, one row each ("" for the defaults), each timed in A/B rounds against the unfused
+    model."""
     keras = _keras()
     import jax
     import numpy as np
@@ -175,39 +213,83 @@ def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = Fa
                          f"{', '.join(FUSED_OPS)}, got {name!r}")
     config = CONFIGS[f"{name}-tiny" if tiny else name]
     gpu = jax.devices()[0].platform == "gpu"
+    lm = name.startswith("llama-lm")
     rows = []
     for precision in precisions:
         keras.mixed_precision.set_global_policy(precision)
         for batch in batches or DEFAULT_BATCHES[name]["gpu" if gpu else "cpu"]:
-            keras.utils.set_random_seed(0)
-            unfused, fused = _models(name, config)
             rng = np.random.default_rng(0)
             ids = rng.integers(0, config["vocab"], (steps * batch, config["seq"]), np.int32)
-            target = np.zeros((steps * batch, 1), np.float32)  # the loss ignores it
-            a = np.asarray(unfused(ids[:batch]), np.float64)
-            b = np.asarray(fused(ids[:batch]), np.float64)
-            diff = float(np.linalg.norm(b - a) / np.linalg.norm(a))
-            lowered = jax.jit(lambda x: fused(x)).lower(ids[:batch]).as_text()
-            if not all(f"fusedlayers_{op}_" in lowered for op in FUSED_OPS[name]):
-                raise RuntimeError(f"the fused model's program does not call fusedlayers' "
-                                   f"kernels:\n{fused.fusedlayers_report}")
-            times = {"unfused": [], "fused": []}
-            for model in (unfused, fused):
-                _compile(model)
-                model.fit(ids, target, batch_size=batch, epochs=1, verbose=0)  # compile, warm
-            for r in range(rounds):
-                order = (("unfused", unfused), ("fused", fused))
-                for key, model in order if r % 2 == 0 else order[::-1]:
-                    start = time.perf_counter()
-                    model.fit(ids, target, batch_size=batch, epochs=1, verbose=0)
-                    times[key].append(1e3 * (time.perf_counter() - start) / steps)
-            u, f = (statistics.median(times[k]) for k in ("unfused", "fused"))
-            row = KerasModelRow(name if not tiny else f"{name}-tiny", batch, precision, u, f,
-                                u / f, diff)
-            log(format_row(row))
-            rows.append(row)
+            if lm:  # next-token labels of random text
+                labels = rng.integers(0, config["vocab"], ids.shape, np.int32)
+                inputs = {"unfused": (ids, labels), "fused": ([ids, labels], None)}
+            else:
+                target = np.zeros((steps * batch, 1), np.float32)  # the loss ignores it
+                inputs = {"unfused": (ids, target), "fused": (ids, target)}
+            unfused = None
+            for variant in variants:
+                keras.utils.set_random_seed(0)
+                previous = os.environ.get("FUSEDLAYERS_JAX_IMPL")
+                os.environ["FUSEDLAYERS_JAX_IMPL"] = variant
+                try:
+                    built, fused = _models(name, config)  # the same initial weights
+                    diff = _first_forward_diff(built, fused, lm, ids[:batch],
+                                               labels[:batch] if lm else None)
+                    if unfused is None:
+                        unfused = built
+                        _compile(unfused, lm, False)
+                        unfused.fit(*inputs["unfused"], batch_size=batch, epochs=1, verbose=0)
+                    _check_program(name, fused, variant, lm, ids[:batch],
+                                   labels[:batch] if lm else None)
+                    _compile(fused, lm, True)
+                    fused.fit(*inputs["fused"], batch_size=batch, epochs=1, verbose=0)  # traced
+                finally:
+                    if previous is None:
+                        os.environ.pop("FUSEDLAYERS_JAX_IMPL")
+                    else:
+                        os.environ["FUSEDLAYERS_JAX_IMPL"] = previous
+                times = {"unfused": [], "fused": []}
+                for r in range(rounds):
+                    order = (("unfused", unfused), ("fused", fused))
+                    for key, model in order if r % 2 == 0 else order[::-1]:
+                        start = time.perf_counter()
+                        model.fit(*inputs[key], batch_size=batch, epochs=1, verbose=0)
+                        times[key].append(1e3 * (time.perf_counter() - start) / steps)
+                u, f = (statistics.median(times[k]) for k in ("unfused", "fused"))
+                label = (name if not tiny else f"{name}-tiny") + (f" [{variant}]" if variant
+                                                                   else "")
+                row = KerasModelRow(label, batch, precision, u, f, u / f, diff)
+                log(format_row(row))
+                rows.append(row)
+                del fused
     keras.mixed_precision.set_global_policy("float32")
     return rows
+
+
+def _first_forward_diff(unfused, fused, lm: bool, ids, labels) -> float:
+    """||fused - unfused|| / ||unfused|| of the first forward: the last hidden state, or (lm) the
+    loss."""
+    keras = _keras()
+    import numpy as np
+    if lm:
+        a = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+            labels, unfused(ids)))
+        return abs(float(fused([ids, labels])) - a) / abs(a)
+    a, b = (np.asarray(m(ids), np.float64) for m in (unfused, fused))
+    return float(np.linalg.norm(b - a) / np.linalg.norm(a))
+
+
+def _check_program(name: str, fused, variant: str, lm: bool, ids, labels) -> None:
+    """The fused model's program calls fusedlayers' kernels (those the variant leaves)."""
+    import jax
+    lowered = (jax.jit(lambda x, t: fused([x, t])).lower(ids, labels) if lm
+               else jax.jit(lambda x: fused(x)).lower(ids)).as_text()
+    xla = {item.split("=")[0] for item in variant.split(",") if item.endswith("=xla")}
+    missing = [op for op in FUSED_OPS[name]
+               if op not in xla and f"fusedlayers_{op}_" not in lowered]
+    if missing:
+        raise RuntimeError(f"the fused model's program does not call fusedlayers' kernels "
+                           f"{missing}:\n{getattr(fused, 'fusedlayers_report', '')}")
 
 
 def format_row(r: KerasModelRow) -> str:

@@ -4,6 +4,7 @@ of the table (fusedlayers.ops), whose `__all__` this package exports."""
 
 from .. import ops as _ops
 from ..errors import NotBuiltError
+from ._impl import set_implementation
 from ._library import TARGETS as _TARGETS
 
 
@@ -19,5 +20,5 @@ def export_safety_checks() -> list:
 
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402  (torch and JAX only so far)
 
-__all__ = ["NotBuiltError", "export_safety_checks", "linear_cross_entropy",
+__all__ = ["NotBuiltError", "export_safety_checks", "linear_cross_entropy", "set_implementation",
            *_ops.export(__name__, globals(), "jax")]

@@ -12,7 +12,8 @@ import numpy as np
 
 from .. import _args
 from ..bench.case import Case
-from . import _op
+from . import _impl, _op
+from .rms_norm import xla_backward as _rms_xla_backward, xla_forward as _rms_xla_forward
 
 __all__ = ["add_rms_norm"]
 
@@ -34,6 +35,11 @@ def add_rms_norm(x, residual, normalized_shape: int | Sequence[int], weight=None
 
 
 def _forward(x, residual, weight, shape, eps, zero_centered):
+    if _impl.use_xla("add_rms_norm"):  # the add rounded to residual's dtype, then the norm
+        acc = _op.stat_dtype(x)
+        h = (x.astype(acc) + residual.astype(acc)).astype(residual.dtype)
+        y, rstd = _rms_xla_forward(h, weight, shape, eps, zero_centered)
+        return y.astype(x.dtype), h, rstd
     stats = jax.ShapeDtypeStruct(x.shape[:max(x.ndim - len(shape), 0)], _op.stat_dtype(x))
     return _op.call("add_rms_norm_forward", (_op.like(x), _op.like(residual), stats), x,
                     residual, _op.absent(x.dtype) if weight is None else weight,
@@ -56,6 +62,11 @@ def _add_rms_norm_fwd(x, residual, weight, shape, eps, zero_centered):
 def _add_rms_norm_bwd(shape, eps, zero_centered, saved, cotangents):
     h, rstd, weight = saved
     dy, dh = cotangents
+    if _impl.use_xla("add_rms_norm"):  # the norm's dx in h's dtype, then dh added (norm.h)
+        dnorm, dweight = _rms_xla_backward(dy, h, rstd, weight, shape, zero_centered)
+        acc = _op.stat_dtype(dy)
+        dres = (dnorm.astype(acc) + dh.astype(acc)).astype(h.dtype)
+        return dres.astype(dy.dtype), dres, dweight
     w = _op.absent(dy.dtype) if weight is None else weight
     dx, dresidual, dweight = _op.call(
         "add_rms_norm_backward", (_op.like(dy), _op.dresidual_result(h, dy), _op.like(w)),

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import _args
 from ..bench.case import Case, memory_work
-from . import _op
+from . import _impl, _op
 
 __all__ = ["rms_norm"]
 
@@ -33,6 +33,8 @@ def rms_norm(x, normalized_shape: int | Sequence[int], weight=None, eps: float |
 
 
 def _forward(x, weight, shape, eps, zero_centered):
+    if _impl.use_xla("rms_norm"):
+        return xla_forward(x, weight, shape, eps, zero_centered)
     stats = jax.ShapeDtypeStruct(x.shape[:max(x.ndim - len(shape), 0)], _op.stat_dtype(x))
     return _op.call("rms_norm_forward", (_op.like(x), stats), x,
                     _op.absent(x.dtype) if weight is None else weight,
@@ -53,6 +55,8 @@ def _rms_norm_fwd(x, weight, shape, eps, zero_centered):
 
 def _rms_norm_bwd(shape, eps, zero_centered, saved, dy):
     x, rstd, weight = saved
+    if _impl.use_xla("rms_norm"):
+        return xla_backward(dy, x, rstd, weight, shape, zero_centered)
     w = _op.absent(x.dtype) if weight is None else weight
     dx, dweight = _op.call("rms_norm_backward", (_op.like(x), _op.like(w)), dy, x, rstd, w,
                            roles="xxrp->xs", rows=rstd.ndim,
@@ -63,6 +67,40 @@ def _rms_norm_bwd(shape, eps, zero_centered, saved, dy):
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+# ---------------------------------------------------------------- XLA's formula (_impl)
+
+def _axes(x, shape):
+    return tuple(range(x.ndim - len(shape), x.ndim))
+
+
+def _gain(weight, acc, zero_centered):
+    return weight.astype(acc) + 1 if zero_centered else weight.astype(acc)
+
+
+def xla_forward(x, weight, shape, eps, zero_centered):
+    """(y, rstd) as the kernel computes them (csrc/norm.h, NormMode::kRms), in jnp."""
+    acc = _op.stat_dtype(x)
+    xf = x.astype(acc)
+    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, _axes(x, shape), keepdims=True) + eps)
+    y = xf * rstd
+    if weight is not None:
+        y = y * _gain(weight, acc, zero_centered)
+    return y.astype(x.dtype), rstd.reshape(x.shape[:x.ndim - len(shape)])
+
+
+def xla_backward(dy, x, rstd, weight, shape, zero_centered):
+    """(dx, dweight): dx = rstd (g - xhat mean(g xhat)), g = dy * gain (csrc/norm.h)."""
+    acc, axes = _op.stat_dtype(x), _axes(x, shape)
+    dyf = dy.astype(acc)
+    xhat = x.astype(acc) * rstd.reshape(*rstd.shape, *([1] * len(shape)))
+    g = dyf if weight is None else dyf * _gain(weight, acc, zero_centered)
+    dx = rstd.reshape(*rstd.shape, *([1] * len(shape))) * (
+        g - xhat * jnp.mean(g * xhat, axes, keepdims=True))
+    dweight = None if weight is None else jnp.sum(
+        dyf * xhat, tuple(range(x.ndim - len(shape)))).astype(weight.dtype)
+    return dx.astype(x.dtype), dweight
 
 
 def bench_case(shape, dtype) -> Case:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..bench.case import Case
-from . import _op
+from . import _impl, _op
 
 __all__ = ["rope"]
 
@@ -31,6 +31,9 @@ def rope(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
 
 
 def _call(target, q, k, cos, sin, unsqueeze_dim, interleaved):
+    if _impl.use_xla("rope"):
+        return tuple(_xla_rotate(t, cos, sin, unsqueeze_dim, interleaved,
+                                 target == "rope_backward") for t in (q, k))
     # cos and sin as rows of their own: broadcast over the batch (the rows split with q's)
     cos = jnp.broadcast_to(cos, (q.shape[0], *cos.shape[1:]))
     sin = jnp.broadcast_to(sin, cos.shape)
@@ -55,6 +58,30 @@ def _rope_bwd(unsqueeze_dim, interleaved, saved, grads):
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def _xla_rotate(x, cos, sin, unsqueeze_dim, interleaved, transpose):
+    """XLA's formula of the kernel's rotation (csrc/rope.h) of x's first rotary_dim dims, or
+    (transpose, the backward) of its transpose: dx = dy cos + rot^T(dy sin)."""
+    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    c, s = (jnp.expand_dims(t, unsqueeze_dim).astype(acc) for t in (cos, sin))
+    r = c.shape[-1]
+    xf = x.astype(acc)
+    rot = xf[..., :r]
+    if transpose:
+        v = rot * s
+        if interleaved:
+            turned = jnp.stack((v[..., 1::2], -v[..., ::2]), -1).reshape(v.shape)
+        else:
+            turned = jnp.concatenate((v[..., r // 2:], -v[..., :r // 2]), -1)
+        out = rot * c + turned
+    else:
+        if interleaved:
+            turned = jnp.stack((-rot[..., 1::2], rot[..., ::2]), -1).reshape(rot.shape)
+        else:
+            turned = jnp.concatenate((-rot[..., r // 2:], rot[..., :r // 2]), -1)
+        out = rot * c + turned * s
+    return jnp.concatenate((out, xf[..., r:]), -1).astype(x.dtype)
 
 
 def _reference(q, k, cos, sin):
