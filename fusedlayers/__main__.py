@@ -222,6 +222,12 @@ def _bench_keras_model(args) -> int:
     from fusedlayers.bench import keras_models as km
     import jax
     name = f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"
+    if args.model.startswith("llama-lm"):  # the Flax NNX model first, then Keras'
+        from fusedlayers.bench import flax_models as fm
+        print(f"device: {name}, Flax NNX\n{fm.HEADER}", flush=True)
+        for batch in (args.batch.split(",") if args.batch else ("2" if args.tiny else "4",)):
+            fm.run(args.model, int(batch), args.rounds, args.steps, tiny=args.tiny,
+                   log=lambda line: print(line, flush=True))
     print(f"device: {name}, Keras' JAX backend\n{km.HEADER}", flush=True)
     rows = km.run(args.model, tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
                   tuple((args.precision or "mixed_bfloat16").split(",")), args.rounds,
