@@ -223,6 +223,28 @@ def test_keras_model_bench_tiny_on_the_jax_backend(name, tmp_path):
     assert 0 < row["first_forward_rel_diff"] <= 1e-5
 
 
+def test_llm_bench_tiny_flax_and_keras_with_a_switch_variant(tmp_path):
+    """llama-lm: the Flax NNX row, then a Keras row per FUSEDLAYERS_JAX_IMPL setting (the
+    defaults, and RoPE and the norms as XLA's formulas); the losses agree."""
+    pytest.importorskip("keras")
+    pytest.importorskip("flax")
+    out = tmp_path / "keras.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "fusedlayers", "bench", "--framework", "jax", "--model",
+         "llama-lm", "--tiny", "--batch", "2", "--precision", "float32", "--rounds", "1",
+         "--steps", "1", "--jax-impl", ";rope=xla,rms_norm=xla,add_rms_norm=xla",
+         "--json", str(out)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    flax_row = next(line for line in result.stdout.splitlines()
+                    if line.startswith("flax llama-lm-tiny"))
+    assert float(flax_row.split()[-1]) <= 1e-4  # bfloat16 computation: the first losses
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"] for r in rows] == [
+        "llama-lm-tiny", "llama-lm-tiny [rope=xla,rms_norm=xla,add_rms_norm=xla]"]
+    assert all(r["fused_ms"] > 0 and r["first_forward_rel_diff"] <= 1e-5 for r in rows)
+
+
 def test_model_bench_rejects_unknown_precision():
     with pytest.raises(ValueError, match="fp8"):
         model_bench.run("bert-base", "cpu", precisions=("fp8",))
