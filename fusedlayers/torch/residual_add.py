@@ -121,7 +121,7 @@ def _norm_call(node, norms) -> str | None:
     return None
 
 
-def _add_of_names(node) -> tuple | None:
+def _add_operands(node) -> tuple | None:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         return node.left, node.right
     return None
@@ -153,7 +153,7 @@ class _AddInCall(ast.NodeTransformer):
     def visit_Call(self, node):
         self.generic_visit(node)
         norm = _norm_call(node, self.norms)
-        add = norm and _add_of_names(node.args[0])
+        add = norm and _add_operands(node.args[0])
         if not add:
             return node
         self.found.append(norm)
@@ -172,7 +172,7 @@ def _rewrite_statements(stmts, norms, found) -> list:
     out, i = [], 0
     while i < len(stmts):
         first = _name_assign(stmts[i])
-        add = first and _add_of_names(first[1])
+        add = first and _add_operands(first[1])
         if add:
             s, j, aliases = first[0], i + 1, []
             while j < len(stmts) and (alias := _name_assign(stmts[j])) and \
