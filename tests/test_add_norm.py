@@ -16,7 +16,7 @@ import transformers
 import fusedlayers as fl
 from fusedlayers.torch import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm, fuse
 from fusedlayers.torch import reference
-from _helpers import assert_bitwise, rel_err
+from _helpers import DEVICES, assert_bitwise, rel_err
 
 transformers.logging.set_verbosity_error()
 OPS = {"add_rms_norm": {"weight": True}, "add_layer_norm": {"weight": True, "bias": True}}
@@ -39,12 +39,16 @@ def call(op, module, x, r, w, b):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("x_dtype", (torch.bfloat16, torch.float16))
-def test_float32_residual_stream_under_half_x(op, x_dtype, seed):
+@pytest.mark.parametrize("cols", (33, 4099))
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_residual_stream_under_half_x(op, x_dtype, device, cols, seed):
     """h stays float32 (flash-attention's residual_in_fp32): the norm of the float32 sum, y
-    rounded once to x's dtype; dresidual in float32, dx its rounding."""
-    x, r, w, b = draw(seed, x_dtype=x_dtype)
-    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    rounded once to x's dtype; dresidual in float32, dx its rounding. On CUDA these rows take
+    the streaming kernels (the row type the residual's), one and several columns a thread."""
+    x, r, w, b = draw(seed, shape=(7, cols), x_dtype=x_dtype)
+    leaves = [t.to(device).requires_grad_() for t in (x, r, w, b)]
     y, h = call(op, fl, *leaves)
+    y, h = y.cpu(), h.cpu()
     assert y.dtype == x_dtype and h.dtype == torch.float32
     leaves64 = [t.double().requires_grad_() for t in (x, r, w, b)]
     y64, h64 = call(op, reference, *leaves64)
@@ -53,7 +57,8 @@ def test_float32_residual_stream_under_half_x(op, x_dtype, seed):
     g = torch.Generator().manual_seed(seed + 1)
     dy, dh = torch.randn(y.shape, generator=g).to(x_dtype), torch.randn(h.shape, generator=g)
     used = leaves[:3] if op == "add_rms_norm" else leaves
-    grads = torch.autograd.grad((y, h), used, (dy, dh))
+    grads = [t.cpu() for t in torch.autograd.grad(call(op, fl, *leaves), used,
+                                                  (dy.to(device), dh.to(device)))]
     grads64 = torch.autograd.grad((y64, h64), leaves64[:len(used)], (dy.double(), dh.double()))
     assert grads[0].dtype == x_dtype and grads[1].dtype == torch.float32
     assert_bitwise(grads[0], grads[1].to(x_dtype))  # dx is dresidual rounded
