@@ -217,3 +217,23 @@ def test_keras_and_flax_layers(seed):
     want_y, want_h = fl.add_layer_norm(x, r, 33, torch.ones(33), torch.zeros(33))
     np.testing.assert_array_equal(np.asarray(h), want_h.numpy())
     np.testing.assert_array_equal(np.asarray(y), want_y.numpy())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_tensorflow_xla_kernels_same_bits_as_eager(op, seed):
+    """Under tf.function(jit_compile=True) the ops are XLA custom calls to the same handlers:
+    forward and gradients bitwise those of the eager kernels."""
+    tf = pytest.importorskip("tensorflow")
+    x, r, w, b = (tf.constant(t.float().numpy()) for t in draw(seed, x_dtype=torch.float32))
+    c = tf.constant(draw(seed + 1, x_dtype=torch.float32)[1].numpy())
+
+    def grads(x, r, w, b):
+        with tf.GradientTape() as tape:
+            tape.watch([x, r, w, b])
+            y, h = call(op, fl, x, r, w, b)
+            # dy = 2 y and dh = c, exact in either program: only the ops' own bits compared
+            loss = tf.reduce_sum(y * y) + tf.reduce_sum(h * c)
+        return [y, h, *tape.gradient(loss, [x, r, w, b] if op == "add_layer_norm" else
+                                     [x, r, w])]
+    for got, want in zip(tf.function(grads, jit_compile=True)(x, r, w, b), grads(x, r, w, b)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())

@@ -230,9 +230,7 @@ class AddNormBackwardXla : public XlaCustomCallOp {
   static XlaResults results(int64_t k) {
     return [k](::tensorflow::XlaOpKernelContext* ctx, bool gpu) {
       constexpr int kWeight = kLayer ? 5 : 4;
-      const auto dims = ctx->InputShape(0).dim_sizes();
-      const int64_t cols = std::accumulate(dims.end() - std::min<int64_t>(k, dims.size()),
-                                           dims.end(), int64_t{1}, std::multiplies<>());
+      const int64_t cols = normalized_cols(ctx, 0, k);
       const bool same = ctx->input_xla_type(0) == ctx->input_xla_type(2);
       std::vector<xla::Shape> shapes{
           input_shape(ctx, 0),

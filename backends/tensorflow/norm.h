@@ -175,6 +175,13 @@ XlaAttributes norm_xla_attributes(OpKernelConstruction* ctx, bool forward) {
   return a;
 }
 
+// The product of input `i`'s last k dims: the cols of the rows x cols view a norm works on.
+inline int64_t normalized_cols(::tensorflow::XlaOpKernelContext* ctx, int i, int64_t k) {
+  const auto dims = ctx->InputShape(i).dim_sizes();
+  return std::accumulate(dims.end() - std::min<int64_t>(k, dims.size()), dims.end(), int64_t{1},
+                         std::multiplies<>());
+}
+
 template <typename Op>
 int64_t normalized_ndims(OpKernelConstruction* ctx) {
   std::vector<int64_t> shape;
@@ -215,9 +222,7 @@ class NormBackwardXla : public XlaCustomCallOp {
   static XlaResults results(int64_t k) {
     return [k](::tensorflow::XlaOpKernelContext* ctx, bool gpu) {
       constexpr int kWeight = 2 + Op::kStats;
-      const auto dims = ctx->InputShape(1).dim_sizes();
-      const int64_t cols = std::accumulate(dims.end() - std::min<int64_t>(k, dims.size()),
-                                           dims.end(), int64_t{1}, std::multiplies<>());
+      const int64_t cols = normalized_cols(ctx, 1, k);
       std::vector<xla::Shape> shapes{input_shape(ctx, 1), input_shape(ctx, kWeight)};
       if (Op::kHasBias) shapes.push_back(input_shape(ctx, kWeight + 1));
       shapes.push_back(xla_workspace(ctx, gpu, kNormWorkspace, 1, cols));
