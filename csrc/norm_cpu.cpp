@@ -2,7 +2,8 @@
 // dx; dgamma/dbeta summed per fixed chunk of rows into the workspace, then over chunks in chunk
 // order, so results are thread-count invariant. Rows run in target clones (cpu_types.h).
 // With a residual, each task adds a block of rows into h (still in cache) and runs the norm's
-// row loops on it; a float32 residual under 16-bit x runs them in float32, x converted.
+// row loops on it; a float32 residual under 16-bit x runs them in float32, x converted. The
+// backward adds dh to dx in a pass of its own over each chunk.
 #include "cpu_vec.h"  // first: it includes the intrinsics before cpu_types.h
 #include "norm.h"
 
@@ -416,7 +417,7 @@ void norm_backward_cpu(const NormBackwardArgs& a, const ParallelFor& parallel_fo
         const int64_t begin = c * per_chunk, end = std::min(rows, (c + 1) * per_chunk);
         if (!staged) {
           rows_of(args, pg, pb, buf.data(), begin, end);
-          if (a.add && a.dh)  // dx += dh, on rows still in cache
+          if (a.add && a.dh)  // dx += dh: on the CPU a second pass over the chunk's dx
             finish_dresidual<T>(args.dx + begin * cols,
                                 static_cast<const T*>(a.dh) + begin * cols,
                                 args.dx + begin * cols, static_cast<T*>(nullptr),
