@@ -18,34 +18,21 @@
 // pre is written only when the caller passes it: a forward that no backward follows skips it.
 // Backward: one pass dpre = dy * gelu'(pre) with dbias from deterministic slab sums, then the
 //   dgrad GEMM dx = dpre W and the wgrad GEMM dW = dpre^T x, dW written in W's layout.
-//
-// cuBLASLt plans (matmul descriptor, matrix layouts, heuristic algorithm) are cached per host
-// thread, keyed by device, sizes, layouts, dtype, epilogue, pointer alignments and workspace
-// size: the heuristic query costs tens of microseconds, which a small layer cannot hide.
 #pragma once
 
 #include <cstddef>
 
 #include "linear_gelu_epilogue.h"
 #include "common.h"
+#include "cublaslt.h"
 #include "gemm.h"
 #include "gelu.h"
-
-typedef struct cublasLtContext* cublasLtHandle_t;  // as cublasLt.h declares it
 
 namespace fusedlayers {
 
 // How the n x k matrix W is stored (row-major): (out_features, in_features) as nn.Linear, or
 // (in_features, out_features) as GPT-2's Conv1D and Keras' Dense.
 enum class WeightLayout { kOutIn, kInOut };
-
-// The cuBLASLt handle and workspace come from the caller (the framework's, reused across calls).
-struct LtContext {
-  cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;
-  size_t workspace_size = 0;
-  cudaStream_t stream = nullptr;
-};
 
 // c = a @ b in `dtype` (a.rows x b.cols, contiguous row-major, gemm.h's Matrix operands), by
 // the framework's GEMM.
@@ -102,12 +89,6 @@ size_t linear_gelu_backward_workspace_size(const LinearGeluBackward& a, GemmSize
                                            const Exec& exec);
 void linear_gelu_backward(const LinearGeluBackward& a, GemmSizes s, const Exec& exec,
                           const GemmContext& gemm);
-
-// For a binding whose framework lends no cuBLASLt handle and workspace (XLA): one handle for the
-// process, created on first use and kept for its life, and the workspace to give it (cuBLAS'
-// recommended size on Hopper).
-cublasLtHandle_t linear_gelu_lt_handle();
-constexpr size_t kLinearGeluLtWorkspaceBytes = size_t(32) << 20;
 
 // The CUDA passes (linear_gelu_cuda.cu).
 void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtContext& lt);

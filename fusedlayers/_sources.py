@@ -37,11 +37,12 @@ CUDA_DEFINE = "-DFUSEDLAYERS_WITH_CUDA"
 CUDA_LIBRARIES = ("cublasLt",)
 # Ampere and Hopper, when TORCH_CUDA_ARCH_LIST is unset (a GPU-less host cannot detect one).
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
-# The whole linear_gelu op (its passes call the framework's GEMMs on the CPU and cuBLASLt on
-# CUDA) and its XLA handlers on cuBLASLt: the torch extension and the JAX library's CUDA build
-# have it. TF's linear_gelu runs TF's matmul around csrc's epilogue op, so the TF op library needs
-# no cuBLAS.
-GEMM_SOURCES = {"linear_gelu_op.cpp", "linear_gelu_cuda.cu", "linear_gelu_cublaslt.cc"}
+# csrc's cuBLASLt GEMMs, the whole linear_gelu op (its passes call the framework's GEMMs on the
+# CPU and cuBLASLt on CUDA) and the XLA handlers on cuBLASLt (linear_gelu's, linear_cross_entropy's
+# whole chunk loop): the torch extension and the JAX library's CUDA build have them. TF runs its
+# own matmuls around csrc's passes, so the TF op library needs no cuBLAS.
+GEMM_SOURCES = {"cublaslt_cuda.cu", "linear_gelu_op.cpp", "linear_gelu_cuda.cu",
+                "linear_gelu_cublaslt.cc", "linear_cross_entropy_cublaslt.cc"}
 
 
 def torch_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
@@ -101,7 +102,7 @@ def gencode_flags(arch_list: str) -> list[str]:
 def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False,
                     gemm: bool = False) -> list[Path]:
     """The csrc kernels and the binding folder backends/<binding>: what the TF op library and
-    the JAX library compile; the whole linear_gelu op (GEMM_SOURCES) only with `gemm`."""
+    the JAX library compile; the cuBLASLt sources (GEMM_SOURCES) only with `gemm`."""
     suffix = {"tensorflow": "*.cc", "xla": "*.cc"}[binding]
     cu = [*root.glob("csrc/*.cu")] if cuda else []
     return sorted(p for p in [*root.glob("csrc/*.cpp"), *root.glob(f"backends/{binding}/{suffix}"),

@@ -27,11 +27,11 @@ TensorRef weight_ref(const AnyBuffer& weight, bool in_out, int64_t (&sizes)[2]) 
 
 LtContext lt_context(const Device& device, Out& workspace, size_t offset) {
   const size_t bytes = workspace->size_bytes();
-  if (bytes < offset + kLinearGeluLtWorkspaceBytes)
+  if (bytes < offset + kCublasLtWorkspaceBytes)
     fail("the workspace result holds " + std::to_string(bytes) + " bytes, the pass needs " +
-         std::to_string(offset + kLinearGeluLtWorkspaceBytes));
-  return {linear_gelu_lt_handle(), static_cast<char*>(data(workspace)) + offset,
-          kLinearGeluLtWorkspaceBytes, device.exec().stream};
+         std::to_string(offset + kCublasLtWorkspaceBytes));
+  return {cublaslt_process_handle(), static_cast<char*>(data(workspace)) + offset,
+          kCublasLtWorkspaceBytes, device.exec().stream};
 }
 
 ffi::Error forward(Device& device, AnyBuffer x, AnyBuffer weight, AnyBuffer bias, Out pre, Out y,
@@ -94,8 +94,8 @@ FUSEDLAYERS_XLA_EXPORT size_t fusedlayers_xla_linear_gelu_gemm_workspace_size(
   try {
     const size_t own = backward ? linear_gelu_backward_workspace_size_cuda(
                                       {m, n, 0}, static_cast<DType>(dtype)) : 0;
-    return (own + 255) / 256 * 256 + kLinearGeluLtWorkspaceBytes;
+    return (own + 255) / 256 * 256 + kCublasLtWorkspaceBytes;
   } catch (const Error&) {
-    return kLinearGeluLtWorkspaceBytes;
+    return kCublasLtWorkspaceBytes;
   }
 }
