@@ -16,9 +16,9 @@
 // and db (summed in float32 per column in row order). Deterministic: no atomics.
 //
 // The op's contract, for every binding: input (N, H), weight (V, H) and bias (V,) of one float
-// dtype, contiguous; target N int64 values; grad_scale, when gradients are wanted, 1 or N values
-// of the loss dtype (float64 for float64 input, else float32) on the input's device; loss: N
-// values of the loss dtype; dinput like input, dweight like weight, dbias like bias. Errors:
+// dtype, contiguous; target N int64 (or int32) values; grad_scale, when gradients are wanted, 1
+// or N values of the loss dtype (float64 for float64 input, else float32) on the input's device;
+// loss: N values of the loss dtype; dinput like input, dweight like weight, dbias like bias. Errors:
 // Error of kind kType for dtypes, kValue otherwise. A target outside [0, V) other than
 // ignore_index is a kValue Error on the CPU and a NaN loss for its row on CUDA.
 #pragma once
@@ -32,10 +32,11 @@ struct LinearCrossEntropy {
   TensorRef input;   // (N, H)
   TensorRef weight;  // (V, H)
   TensorRef bias;    // (V,) or absent
-  const int64_t* target = nullptr;
+  const void* target = nullptr;  // int64 values, or int32 where target_int32 (JAX's default)
   int64_t target_rows = 0;
   int64_t ignore_index = -100;
   double label_smoothing = 0, softcap = 0, z_loss = 0;
+  bool target_int32 = false;
   // Gradients are computed when grad_scale is set: grad_scale_rows values (1: every row's).
   const void* grad_scale = nullptr;
   int64_t grad_scale_rows = 0;

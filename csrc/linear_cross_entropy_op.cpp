@@ -134,8 +134,8 @@ void linear_cross_entropy(const LinearCrossEntropy& a, LinearCrossEntropySizes s
     const int64_t rows = std::min(s.chunk_rows, s.rows - row0);
     const Matrix x{input + size_t(row0) * s.hidden * elem, rows, s.hidden, false};
     gemm(x, Matrix{a.weight.data, s.hidden, s.vocab, true}, logits, dt, false);
-    const LinearCrossEntropyChunk c{logits, logits, data_if(a.bias), a.target, false, row0,
-                                    rows, s.vocab, dt, a.ignore_index, a.label_smoothing,
+    const LinearCrossEntropyChunk c{logits, logits, data_if(a.bias), a.target, a.target_int32,
+                                    row0, rows, s.vocab, dt, a.ignore_index, a.label_smoothing,
                                     a.softcap, a.z_loss, a.grad_scale, a.grad_scale_rows > 1,
                                     a.loss, dbias_acc};
     FUSEDLAYERS_ON_DEVICE(exec, (linear_cross_entropy_chunk_cpu(c, exec.parallel_for), 0),

@@ -73,6 +73,52 @@ def test_same_bits_as_torch_float32_and_close_in_bfloat16(dtype):
         assert rel_err(torch.tensor(np.asarray(g, np.float32)), tg.float()) <= tol * 10
 
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", LCE_OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_runs_csrc_loop_on_cublaslt(reduction, options, dtype, seed):
+    """On CUDA the op is one custom call of csrc's chunk loop on cuBLASLt (three chunks here):
+    it gives torch's CUDA op (the same loop on ATen's GEMMs) and, in float32, the float64
+    reference."""
+    from fusedlayers.torch import linear_cross_entropy as torch_lce
+    x, w, b, t = lce_problem(5000, 24, 41, True, options.get("ignore_index", -100), seed)
+    gpu = jax.devices("gpu")[0]
+    args = [jax.device_put(jnp.asarray(a, dtype), gpu) for a in (x, w, b)]
+    target = jax.device_put(jnp.asarray(t, jnp.int32), gpu)
+    dy = np.random.default_rng(seed).random(t.shape if reduction == "none" else ()) + 0.5
+
+    def loss_and_grads(*args):
+        loss, vjp = jax.vjp(lambda x, w, b: linear_cross_entropy(
+            x, w, target, linear_bias=b, reduction=reduction, loss_dtype=jnp.float32,
+            **options), *args)
+        return loss, vjp(jnp.asarray(dy, jnp.float32))
+    run = jax.jit(loss_and_grads)
+    program = run.lower(*args).compile().as_text()
+    assert "fusedlayers_linear_cross_entropy_gemm" in program
+    assert "fusedlayers_linear_cross_entropy_chunk" not in program
+    loss, grads = run(*args)
+
+    targs = [torch.tensor(np.asarray(a, np.float32), device="cuda").to(getattr(torch, dtype))
+             .requires_grad_() for a in args]
+    tl = torch_lce(targs[0], targs[1], torch.tensor(t, device="cuda"), linear_bias=targs[2],
+                   reduction=reduction, loss_dtype=torch.float32, **options)
+    tgrads = torch.autograd.grad(tl, targs, torch.tensor(dy, dtype=torch.float32, device="cuda"))
+    tol = 1e-5 if dtype == "float32" else 2e-2  # cuBLASLt's and ATen's GEMMs sum differently
+    assert rel_err(torch.tensor(np.asarray(loss)), tl.detach().cpu()) <= tol
+    for g, tg in zip(grads, tgrads):
+        assert g.dtype == jnp.dtype(dtype)
+        assert rel_err(torch.tensor(np.asarray(g, np.float32)), tg.float().cpu()) <= tol * 10
+    if dtype == "float32":
+        want, grads_want = lce_torch_reference(*(np.asarray(a, np.float64) for a in args), t,
+                                               reduction, dy, options)
+        assert rel_err(torch.tensor(np.asarray(loss, np.float64)), torch.tensor(want)) <= 1e-5
+        for g, ref in zip(grads, grads_want):
+            assert rel_err(torch.tensor(np.asarray(g, np.float64)), torch.tensor(ref)) <= 1e-5
+
+
 def test_errors():
     x, w, b, t = (jnp.asarray(a, jnp.float32) if a is not None and i < 3 else a
                   for i, a in enumerate(lce_problem(6, 4, 7, True)))

@@ -21,14 +21,14 @@ from ..errors import NotBuiltError
 LIBRARY = Path(__file__).resolve().parent.parent / "_jax_ops.so"
 PASSES = ("forward", "backward")
 PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # symbol suffix -> XLA platform
-# The handlers' custom-call targets are fusedlayers_<target> (linear_gelu_gemm_*: CUDA builds).
-# linear_cross_entropy has one: its chunk loop's row pass; moe_experts none (XLA's ragged dots
-# around moe_permute's and moe_unpermute's).
+# The handlers' custom-call targets are fusedlayers_<target> (*_gemm*: CUDA builds).
+# linear_cross_entropy has its chunk loop's row pass and, on CUDA, the whole loop on cuBLASLt;
+# moe_experts none (XLA's ragged dots around moe_permute's and moe_unpermute's).
 TARGETS = (*(f"{op}_{pass_}" for op in ops.NAMES if op not in ("linear_cross_entropy",
                                                                "moe_experts")
              for pass_ in PASSES),
            *(f"linear_gelu_gemm_{pass_}" for pass_ in PASSES),
-           "linear_cross_entropy_chunk")
+           "linear_cross_entropy_chunk", "linear_cross_entropy_gemm")
 
 
 def cuda_build(env=os.environ) -> tuple[bool, str]:
@@ -102,8 +102,12 @@ def load() -> ctypes.CDLL:
             jax.ffi.register_ffi_target(f"fusedlayers_{target}",
                                         jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform=platform)
-    if hasattr(lib, "fusedlayers_xla_linear_gelu_gemm_workspace_size"):
+    if hasattr(lib, "fusedlayers_xla_linear_gelu_gemm_workspace_size"):  # CUDA builds
         gemm = lib.fusedlayers_xla_linear_gelu_gemm_workspace_size
         gemm.restype = ctypes.c_size_t
         gemm.argtypes = [ctypes.c_bool, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        lce = lib.fusedlayers_xla_linear_cross_entropy_gemm_workspace_size
+        lce.restype = ctypes.c_size_t
+        lce.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                        ctypes.c_bool, ctypes.c_bool]
     return lib

@@ -1,8 +1,10 @@
-"""Linear + cross-entropy on JAX arrays without the logits: a chunk loop (jax.lax.scan) whose
-steps are XLA's dots and the custom call fusedlayers_linear_cross_entropy_chunk
-(backends/xla/linear_cross_entropy.cc: csrc's row pass), under jax.custom_vjp. Same contract as
-fusedlayers.torch.linear_cross_entropy; csrc/linear_cross_entropy.h has the math, the chunk
-rule and the checks."""
+"""Linear + cross-entropy on JAX arrays without the logits, under jax.custom_vjp. On CUDA (in a
+CUDA build) one custom call, fusedlayers_linear_cross_entropy_gemm, runs csrc's whole chunk loop
+on cuBLASLt (backends/xla/linear_cross_entropy_cublaslt.cc), as the torch extension runs it on
+ATen's GEMMs; elsewhere a chunk loop (jax.lax.scan) whose steps are XLA's dots and the custom
+call fusedlayers_linear_cross_entropy_chunk (backends/xla/linear_cross_entropy.cc: csrc's row
+pass). Same contract as fusedlayers.torch.linear_cross_entropy; csrc/linear_cross_entropy.h has
+the math, the chunk rule and the checks."""
 
 from functools import partial
 
@@ -32,7 +34,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
     `loss_dtype` (a floating dtype: the float32 loss, float64 for float64 input, cast to it,
     never rounded through input's dtype; Flax's LinearCrossEntropy asks for float32). Rows run in
     chunks (csrc's rule: at least 2048 rows, or input's size in logits); each chunk's logits are
-    XLA's dot rounded to input's dtype, then csrc's pass. With 'mean' or 'sum' the gradients are
+    the GEMM's (cuBLASLt's on CUDA, XLA's dot elsewhere) rounded to input's dtype, then csrc's
+    pass. With 'mean' or 'sum' the gradients are
     formed in the forward pass of jax.grad / jax.vjp and scaled in the backward; with 'none' the
     backward recomputes the logits. While tracing, raises ValueError for a bad reduction, shapes
     or options and TypeError for dtypes (csrc's checks); a target outside [0, V) other than
@@ -69,9 +72,54 @@ def _scale(t, items, reduction, ignore_index, x):
     return (1 / count.astype(_loss_dtype(x))).reshape(1)
 
 
+def _cublaslt():
+    """Whether this build has the cuBLASLt handler (CUDA builds)."""
+    return hasattr(_op.lib, "fusedlayers_xla_linear_cross_entropy_gemm_workspace_size")
+
+
 def _loop(x, w, b, t, scale, options):
     """(loss of each row, dx, dw, db) of sum_i scale_i loss_i; the gradients None when scale is
-    None. Chunks of csrc's rows run in order (dw and db summed in that order)."""
+    None: csrc's loop on cuBLASLt on CUDA (not float64, which cuBLASLt's path does not take),
+    else the scan of XLA's dots."""
+    def scan():
+        return _scan(x, w, b, t, scale, options)
+    if not _cublaslt() or x.dtype == jnp.float64:
+        return scan()
+    return jax.lax.platform_dependent(default=scan,
+                                      cuda=lambda: _cublaslt_loop(x, w, b, t, scale, options))
+
+
+def _cublaslt_loop(x, w, b, t, scale, options):
+    """_loop as one custom call: csrc's chunks of consecutive rows, dW accumulated in W's dtype
+    by each chunk's GEMM (csrc's rule, as in torch)."""
+    ignore_index, label_smoothing, softcap, z_loss = options
+    n, h = x.shape
+    v = w.shape[0]
+    grads = scale is not None
+    per_row = grads and scale.shape[0] > 1
+    with_db = grads and b is not None
+    results = (jax.ShapeDtypeStruct((n,), _loss_dtype(x)),
+               jax.ShapeDtypeStruct((n, h) if grads else (0,), x.dtype),
+               jax.ShapeDtypeStruct((v, h) if grads else (0,), w.dtype),
+               jax.ShapeDtypeStruct((v,) if with_db else (0,), x.dtype))
+    roles = "xppr" + ("r" if per_row else "p") + "->r" + ("xs" if grads else "pp") + \
+        ("s" if with_db else "p")
+
+    def workspace(x):  # the call's rows (this device's, when they are sharded)
+        return _op.lib.fusedlayers_xla_linear_cross_entropy_gemm_workspace_size(
+            x.shape[0], h, v, _op.csrc_dtype(x.dtype), b is not None, grads)
+    loss, dx, dw, db = _op.call(
+        "linear_cross_entropy_gemm", results, x, w, _op.absent(x.dtype) if b is None else b, t,
+        scale if grads else jnp.zeros((0,), _loss_dtype(x)), roles=roles, rows=1,
+        workspace=workspace, ignore_index=np.int64(ignore_index),
+        label_smoothing=np.float64(label_smoothing), softcap=np.float64(softcap),
+        z_loss=np.float64(z_loss))
+    return loss, dx if grads else None, dw if grads else None, db if with_db else None
+
+
+def _scan(x, w, b, t, scale, options):
+    """_loop as a scan of XLA's dots around csrc's row pass. Chunks of csrc's rows run in order
+    (dw and db summed in that order)."""
     ignore_index, label_smoothing, softcap, z_loss = options
     n, h = x.shape
     v = w.shape[0]
@@ -99,7 +147,8 @@ def _loop(x, w, b, t, scale, options):
 
     # float32 products as float32 (no TF32 on GPUs), accumulated in the loss dtype; the logits
     # and dx leave their GEMMs in x's dtype (rounded once from that accumulator, with no pass
-    # of their own over the chunk), dW's running sum in the loss dtype
+    # of their own over the chunk); each chunk's dW in the loss dtype, added to the running sum
+    # and rounded to W's dtype (csrc's rule)
     dot = partial(jnp.dot, preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
     dot_x = partial(dot, preferred_element_type=x.dtype)
 
