@@ -2,6 +2,7 @@
 // the error type. Framework-free by contract: no torch, tensorflow or Python headers here.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -25,6 +26,11 @@ inline const char* dtype_name(DType t) {
     case DType::kBFloat16: return "bfloat16";
   }
   return "unknown";
+}
+
+// Bytes per element.
+inline size_t dtype_size(DType t) {
+  return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2;
 }
 
 // The binding supplies its framework's thread pool: parallel_for(n, grain, fn) must call

@@ -26,8 +26,6 @@ cudaDataType_t cuda_type(DType dtype) {
   }
 }
 
-size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
 template <typename T, cublasStatus_t (*Destroy)(T)>
 struct Deleter {
   void operator()(T p) const { Destroy(p); }

@@ -14,10 +14,6 @@ constexpr const char* kOp = "linear_cross_entropy";
 // itself is larger than such a chunk's logits.
 constexpr int64_t kMinChunkRows = 2048;
 
-size_t dtype_size(DType t) {
-  return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2;
-}
-
 DType loss_dtype(DType t) { return t == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
 void check_2d(const char* name, const TensorRef& t) {

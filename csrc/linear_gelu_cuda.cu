@@ -9,8 +9,6 @@ namespace {
 
 constexpr const char* kOp = "linear_gelu";
 
-size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
 }  // namespace
 
 void linear_gelu_forward_cuda(const LinearGeluForward& a, GemmSizes s, const LtContext& lt) {

@@ -7,8 +7,7 @@ namespace fusedlayers {
 namespace {
 
 size_t elements_bytes(int64_t n, DType dtype) {
-  const size_t size = dtype == DType::kFloat64 ? 8 : dtype == DType::kFloat32 ? 4 : 2;
-  return (static_cast<size_t>(n) * size + 63) / 64 * 64;  // the epilogue's workspace 64-aligned
+  return (static_cast<size_t>(n) * dtype_size(dtype) + 63) / 64 * 64;  // the epilogue's workspace 64-aligned
 }
 
 // W^T (k x n) and W (n x k) as GEMM operands, read in place from W's storage.
