@@ -16,10 +16,13 @@
 // the device holds at once (SM count times the kernel's occupancy), fixed per device and kernel,
 // so results are reproducible. The forward has no such partials: one row group per block.
 //
-// The add+norm ops (a residual) run in the same kernels where the residual has x's dtype: the
-// forward adds it to the row as it loads (writing h), the backward adds dh as it stores dx, so
-// either pass still reads and writes each element once. A float32 residual under 16-bit x
-// (residual_in_fp32) takes the streaming kernels, whose row type is the residual's.
+// The add+norm ops (a residual) run in instances of the same kernels (kAdd) where the residual
+// has x's dtype and the rows are vectorized: the forward loads the residual with x and adds it
+// (writing h), the backward loads dh with the row and adds it as it stores dx, so either pass
+// still reads and writes each element once. Their own instances, as the operands loaded ahead
+// cost registers, which would lower the plain norms' occupancy. A float32 residual under 16-bit
+// x (residual_in_fp32) and unaligned rows take the streaming kernels, whose row type is the
+// residual's.
 //
 // gamma/beta are read as vectors like the rows (the launchers check their alignment too): one
 // 16-byte load per 8 bf16 columns instead of 8 scalar loads. The backward, which is bound by its
@@ -53,8 +56,9 @@ struct Shape {  // W warps per row, I vectors per thread
 // backward x and dy as stored (at most 32 bf16/fp16 or 24 fp32 elements): in registers, the
 // forward handles rows up to 32768 cols, the backward up to 16384 (bf16/fp16) or 12288 (fp32)
 // cols; unaligned rows (N = 1) an eighth (half types) or a quarter (fp32) of that. ptxas spills a
-// few loop-invariant values (under 40 bytes) in the 12-warp forward for 16-bit types and the
-// 16 x 4 fp32 backward, to fit one more block per SM.
+// few loop-invariant values (under 40 bytes) in the 12-warp forward for 16-bit types, the
+// 16 x 4 fp32 backward and the 8 x 4 and 16 x 4 add+norm backward for 16-bit types, to fit one
+// more block per SM.
 using ForwardShapes16 = std::tuple<Shape<1, 1>, Shape<1, 2>, Shape<1, 3>, Shape<1, 4>, Shape<2, 4>,
                                    Shape<4, 4>, Shape<8, 4>, Shape<12, 4>, Shape<16, 4>,
                                    Shape<12, 8>, Shape<16, 8>>;
@@ -208,20 +212,46 @@ __device__ __forceinline__ void store_row(T* row, int cols, int lane, Fill&& fil
   }
 }
 
-// h = x + residual rounded to T over a thread's share of a row (in v, which holds x), written
-// to h: the row the norm then takes.
+// Whether a thread's raw vectors of one more row operand fit in registers beside the row: up to
+// 4 vectors a thread (wider shapes spill), else that operand is loaded where it is used.
+template <typename S>
+constexpr bool kPrefetchOperand = S::kIters <= 4;
+
+// Blocks an SM must hold of a kAdd instance: at least two of 256 threads (at most 128 registers
+// a thread). Left free, the compiler gives the operands loaded ahead up to 168 registers and the
+// SM one such block, and the add+norm passes lose to the plain norm's occupancy what they gain
+// from the overlapped loads.
+template <typename S>
+constexpr int kAddMinBlocks = S::kBlock >= 512 ? 1 : 512 / S::kBlock;
+
+// h = x + residual rounded to T over a thread's share of a row, written to h and left in v as
+// fp32 (zero past cols): the row the norm then takes. Where registers allow, both rows are
+// loaded before either is used, so that their loads are in flight together.
 template <typename T, int N, typename S>
-__device__ __forceinline__ void add_residual(const T* res, T* h, int cols, int lane,
+__device__ __forceinline__ void load_add_row(const T* x, const T* res, T* h, int cols, int lane,
                                              A (&v)[S::kIters][N]) {
+  Vec<T, N> rs[S::kIters];
+  if constexpr (kPrefetchOperand<S>) {
+    Vec<T, N> xs[S::kIters];
+    load_raw<T, N, S>(x, cols, lane, xs);
+    load_raw<T, N, S>(res, cols, lane, rs);
+#pragma unroll
+    for (int it = 0; it < S::kIters; ++it)
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+        v[it][k] = column<N, S>(it, lane) < cols ? to_acc(xs[it].v[k]) : A(0);
+  } else {
+    load_row<T, N, S>(x, cols, lane, v);
+  }
 #pragma unroll
   for (int it = 0; it < S::kIters; ++it) {
     const int c = column<N, S>(it, lane);
     if (c >= cols) continue;
-    const auto in = *reinterpret_cast<const Vec<T, N>*>(res + c);
+    if constexpr (!kPrefetchOperand<S>) rs[it] = *reinterpret_cast<const Vec<T, N>*>(res + c);
     Vec<T, N> out;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      out.v[k] = from_acc<T>(v[it][k] + to_acc(in.v[k]));
+      out.v[k] = from_acc<T>(v[it][k] + to_acc(rs[it].v[k]));
       v[it][k] = to_acc(out.v[k]);
     }
     *reinterpret_cast<Vec<T, N>*>(h + c) = out;
@@ -235,8 +265,8 @@ __device__ __forceinline__ A plus_dh(A dx, const R* dh, int64_t i) {
   return dh ? to_acc(from_acc<R>(dx)) + to_acc(dh[i]) : dx;
 }
 
-template <typename T, typename P, int N, typename S>
-__global__ void __launch_bounds__(S::kBlock)
+template <typename T, typename P, int N, typename S, bool kAdd>
+__global__ void __launch_bounds__(S::kBlock, kAdd ? kAddMinBlocks<S> : 1)
     forward_kernel(const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ h,
                    const P* __restrict__ gamma,
                    const P* __restrict__ beta, T* __restrict__ y, A* __restrict__ mean,
@@ -247,14 +277,15 @@ __global__ void __launch_bounds__(S::kBlock)
   for (int64_t r = int64_t(blockIdx.x) * S::kRowsPerBlock + slot; r < rows;
        r += int64_t(gridDim.x) * S::kRowsPerBlock) {
     A v[S::kIters][N];
-    load_row<T, N, S>(x + r * cols, cols, lane, v);
-    if (residual) add_residual<T, N, S>(residual + r * cols, h + r * cols, cols, lane, v);
+    if constexpr (kAdd)
+      load_add_row<T, N, S>(x + r * cols, residual + r * cols, h + r * cols, cols, lane, v);
+    else
+      load_row<T, N, S>(x + r * cols, cols, lane, v);
     A mu = 0;
     if (mode != NormMode::kRms) {  // uniform over the row slot, as row_sum's barriers need
       // The mean as x[0] + mean(x - x[0]) (see norm_cpu.cpp); x[0] is one broadcast load.
-      const A x0 = residual ? to_acc(from_acc<T>(to_acc(x[r * cols]) +
-                                                 to_acc(residual[r * cols])))
-                            : to_acc(x[r * cols]);
+      const A x0 = kAdd ? to_acc(from_acc<T>(to_acc(x[r * cols]) + to_acc(residual[r * cols])))
+                        : to_acc(x[r * cols]);
       A sum = 0;
 #pragma unroll
       for (int it = 0; it < S::kIters; ++it) {
@@ -322,8 +353,8 @@ constexpr size_t backward_smem_bytes(bool partial) {
 // to its accumulators and finally writes the block's row of partials. gamma is read from its
 // staged float plane: a 16-bit gamma loaded and converted per row and element costs the
 // instruction-bound backward several percent (docs/DESIGN.md, CUDA kernels).
-template <typename T, typename P, int N, typename S, int kSums>
-__global__ void __launch_bounds__(S::kBlock)
+template <typename T, typename P, int N, typename S, int kSums, bool kAdd>
+__global__ void __launch_bounds__(S::kBlock, kAdd ? kAddMinBlocks<S> : 1)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
                     const A* __restrict__ mean, const A* __restrict__ rstd,
                     const P* __restrict__ gamma, const P* __restrict__ beta,
@@ -365,6 +396,8 @@ __global__ void __launch_bounds__(S::kBlock)
     Vec<T, N> xs[S::kIters], dys[S::kIters];
     load_raw<T, N, S>(saved + r * cols, cols, lane, xs);
     load_raw<T, N, S>(dy + r * cols, cols, lane, dys);
+    Vec<T, N> dhs[S::kIters];  // loaded with the row where registers allow, else at the store
+    if constexpr (kAdd && kPrefetchOperand<S>) load_raw<T, N, S>(dh + r * cols, cols, lane, dhs);
     const A rs = rstd[r];
     const A mu = saved_is_output || mode == NormMode::kRms ? A(0) : mean[r];
     // xhat of element k of vector `it` (gm, bt: its gamma/beta). The memory-efficient form
@@ -430,10 +463,11 @@ __global__ void __launch_bounds__(S::kBlock)
         const A g = dy_gamma(to_acc(dys[it].v[k]), gm[k]);
         out[k] = rs * (g - k_mean - (xhat(it, k, gm, bt) - shift) * k_xhat);
       }
-      if (dh) {
-        const auto d = *reinterpret_cast<const Vec<T, N>*>(dh + r * cols + c);
+      if constexpr (kAdd) {
+        if constexpr (!kPrefetchOperand<S>)
+          dhs[it] = *reinterpret_cast<const Vec<T, N>*>(dh + r * cols + c);
 #pragma unroll
-        for (int k = 0; k < N; ++k) out[k] = to_acc(from_acc<T>(out[k])) + to_acc(d.v[k]);
+        for (int k = 0; k < N; ++k) out[k] = to_acc(from_acc<T>(out[k])) + to_acc(dhs[it].v[k]);
       }
     });
   }
@@ -628,6 +662,10 @@ bool params_aligned(const void* gamma, const void* beta, size_t bytes) {
   return (!gamma || cuda::aligned(gamma, bytes)) && (!beta || cuda::aligned(beta, bytes));
 }
 
+// kAdd of the kernels' launches: the add+norm instances or the plain norm's.
+using Add = std::true_type;
+using NoAdd = std::false_type;
+
 int64_t backward_groups_max() { return int64_t(cuda::sm_count()) * kBackwardMaxBlocksPerSm; }
 
 }  // namespace
@@ -660,8 +698,9 @@ void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
     }
     const T* res = static_cast<const T*>(a.residual);
     T* hp = static_cast<T*>(a.h);
-    auto launch = [&](auto n_tag) {
+    auto launch = [&](auto n_tag, auto add_tag) {
       constexpr int N = decltype(n_tag)::value;
+      constexpr bool kAdd = decltype(add_tag)::value;
       using Shapes = ShapesFor<T, ForwardShapes16, ForwardShapes32>;
       return with_shape<Shapes, N>(cols, [&](auto s) {
         using S = decltype(s);
@@ -669,7 +708,7 @@ void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
         // loads of the next rows overlap the reductions and stores of the current ones.
         const int64_t blocks = std::min<int64_t>((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
                                                  INT32_MAX);
-        forward_kernel<T, P, N, S><<<blocks, S::kBlock, 0, stream>>>(
+        forward_kernel<T, P, N, S, kAdd><<<blocks, S::kBlock, 0, stream>>>(
             xp, res, hp, gp, bp, yp, mp, rp, rows, int(cols), inv_cols, eps, goff, a.mode);
         return true;
       });
@@ -678,9 +717,10 @@ void norm_forward_cuda(const NormForwardArgs& a, cudaStream_t stream) {
     const bool vec = cols % kVec == 0 && cuda::aligned(xp, 16) && cuda::aligned(yp, 16) &&
                      (!res || (cuda::aligned(res, 16) && cuda::aligned(hp, 16))) &&
                      params_aligned(gp, bp, kVec * sizeof(P));
-    const bool done = vec ? launch(std::integral_constant<int, kVec>{})
-                          : launch(std::integral_constant<int, 1>{});
-    if (!done)
+    using Vectorized = std::integral_constant<int, kVec>;
+    const bool done = vec ? (res ? launch(Vectorized{}, Add{}) : launch(Vectorized{}, NoAdd{}))
+                          : !res && launch(std::integral_constant<int, 1>{}, NoAdd{});
+    if (!done)  // also unaligned rows with a residual
       forward_stream_kernel<T, P, T><<<stream_blocks, kStreamThreads, 0, stream>>>(
           xp, res, hp, gp, bp, yp, mp, rp, rows, cols, inv_cols, eps, goff, a.mode);
     cuda::check_launch("norm forward");
@@ -723,22 +763,24 @@ void norm_backward_cuda(const NormBackwardArgs& a, cudaStream_t stream) {
           saved_is_output, a.mode);
     };
     const T* dhp = a.add ? static_cast<const T*>(a.dh) : nullptr;
-    auto launch = [&](auto n_tag, auto sums_tag) {
+    auto launch = [&](auto n_tag, auto sums_tag, auto add_tag) {
       constexpr int N = decltype(n_tag)::value, kSums = decltype(sums_tag)::value;
+      constexpr bool kAdd = decltype(add_tag)::value;
       using Shapes = ShapesFor<T, BackwardShapes16, BackwardShapes32>;
       return with_shape<Shapes, N>(cols, [&](auto s) {
         using S = decltype(s);
         const size_t smem = backward_smem_bytes<N, S, kSums>(partial != nullptr);
         // Resident blocks only, so every block gets rows and none waits for a second wave.
         const int64_t per_sm = std::min(
-            cuda::resident_blocks<backward_kernel<T, P, N, S, kSums>>(S::kBlock, smem, !partial),
+            cuda::resident_blocks<backward_kernel<T, P, N, S, kSums, kAdd>>(S::kBlock, smem,
+                                                                             !partial),
             kBackwardMaxBlocksPerSm);
         if (per_sm == 0) return false;  // accumulators too large for this device
         const int64_t blocks = std::max<int64_t>(
             1, std::min((rows + S::kRowsPerBlock - 1) / S::kRowsPerBlock,
                         int64_t(cuda::sm_count()) * per_sm));
         groups = blocks;
-        backward_kernel<T, P, N, S, kSums><<<blocks, S::kBlock, smem, stream>>>(
+        backward_kernel<T, P, N, S, kSums, kAdd><<<blocks, S::kBlock, smem, stream>>>(
             dyp, sp, mp, rp, gp, bp, dhp, dxp, partial, rows, int(cols), inv_cols, goff,
             saved_is_output, a.mode);
         return true;
@@ -748,15 +790,17 @@ void norm_backward_cuda(const NormBackwardArgs& a, cudaStream_t stream) {
     const bool vec = cols % kVec == 0 && cuda::aligned(dyp, 16) && cuda::aligned(sp, 16) &&
                      cuda::aligned(dxp, 16) && (!dhp || cuda::aligned(dhp, 16)) &&
                      params_aligned(gp, bp, kVec * sizeof(P));
-    auto launch_sums = [&](auto n_tag) {
-      return sums == 2 ? launch(n_tag, std::integral_constant<int, 2>{})
-                       : launch(n_tag, std::integral_constant<int, 1>{});
+    auto launch_sums = [&](auto n_tag, auto add_tag) {
+      return sums == 2 ? launch(n_tag, std::integral_constant<int, 2>{}, add_tag)
+                       : launch(n_tag, std::integral_constant<int, 1>{}, add_tag);
     };
+    using Vectorized = std::integral_constant<int, kVec>;
     if (a.add && a.residual_dtype != a.dtype) {  // float32 residual, 16-bit x
       if constexpr (sizeof(T) == 2) launch_stream(float{});
-    } else if (!(vec ? launch_sums(std::integral_constant<int, kVec>{})
-                     : launch_sums(std::integral_constant<int, 1>{}))) {
-      launch_stream(T{});
+    } else if (!(vec ? (dhp ? launch_sums(Vectorized{}, Add{})
+                            : launch_sums(Vectorized{}, NoAdd{}))
+                     : !dhp && launch_sums(std::integral_constant<int, 1>{}, NoAdd{}))) {
+      launch_stream(T{});  // also unaligned rows with dh
     }
     cuda::check_launch("norm backward");
     if (!want_params) return;
