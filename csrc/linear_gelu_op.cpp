@@ -7,7 +7,8 @@ namespace fusedlayers {
 namespace {
 
 size_t elements_bytes(int64_t n, DType dtype) {
-  return (static_cast<size_t>(n) * dtype_size(dtype) + 63) / 64 * 64;  // the epilogue's workspace 64-aligned
+  // the epilogue's workspace, 64-byte aligned
+  return (static_cast<size_t>(n) * dtype_size(dtype) + 63) / 64 * 64;
 }
 
 // W^T (k x n) and W (n x k) as GEMM operands, read in place from W's storage.
