@@ -3,11 +3,9 @@ torch (the route bitwise: it is integer work; the rows against float64), gradien
 opcheck, tf.test.compute_gradient, jax check_grads), the same bits in torch, TensorFlow and JAX
 and on two runs, every framework's argument errors, routing edge cases (an expert no token
 reaches, every token on one expert, top-1, expert-parallel sentinels, no tokens), moe_experts
-against the expert-by-expert loop and against transformers' eager experts inside small models
-of each MoE family (fuse(): loss, router loss and every gradient), and the Keras and Flax
-layers."""
+against the expert-by-expert loop, under autocast and in passes over its weights, and the Keras
+and Flax layers (fuse() on transformers' MoE models: test_fuse_moe.py)."""
 
-import copy
 import importlib
 
 import numpy as np
@@ -296,6 +294,58 @@ def test_experts_gate_function_and_bfloat16(rng):
         fl.moe_experts(*args, activation="relu")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_under_autocast_run_in_its_dtype(device, rng):
+    """Under autocast the experts' GEMMs run as autocast runs a matmul: float32 hidden states and
+    weights cast once to its dtype (the same bits as moe_experts on the cast operands, not those
+    of float32 GEMMs), the result in the hidden states' dtype and the weights' gradients in
+    theirs."""
+    args, kw = _experts_problem(rng, torch.float32, transposed=True, bias=True)
+    args = [a.to(device) for a in args]
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    leaves = [args[0], args[3], args[4], kw["gate_up_proj_bias"], kw["down_proj_bias"]]
+    for t in leaves:
+        t.requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = fl.moe_experts(*args, **kw)
+    cast = [a.detach().bfloat16().requires_grad_() if a.is_floating_point() and i != 2 else a
+            for i, a in enumerate(args)]
+    kw16 = {k: v.detach().bfloat16().requires_grad_() if isinstance(v, torch.Tensor) else v
+            for k, v in kw.items()}
+    want = fl.moe_experts(*cast, **kw16)
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+    assert not torch.equal(got, fl.moe_experts(*[a.detach() for a in args], **kw))
+    dout = torch.randn_like(got)
+    grads = torch.autograd.grad(got, leaves, dout)
+    leaves16 = [cast[0], cast[3], cast[4], kw16["gate_up_proj_bias"], kw16["down_proj_bias"]]
+    for g, r in zip(grads, torch.autograd.grad(want, leaves16, dout.bfloat16())):
+        assert g.dtype == torch.float32 and torch.equal(g, r.float())
+
+
+@pytest.mark.parametrize("hidden", [16, 13])  # grouped_mm; the loop (rows not 16-byte aligned)
+def test_experts_backward_passes_over_the_weights_are_bounded(hidden, rng):
+    """The float32 backward on the CPU allocates a bounded multiple of the weights' and
+    activations' bytes, however many experts there are, and clears no tensor per expert (an
+    expert's slice of the weights indexed in autograd would write a zero tensor of all of them
+    in its backward)."""
+    from torch.profiler import ProfilerActivity, profile
+    tokens, ffn, experts, k = 64, 10, 16, 2
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    w1 = torch.randn(experts, 2 * ffn, hidden, requires_grad=True)
+    w2 = torch.randn(experts, hidden, ffn, requires_grad=True)
+    idx = routing(rng, tokens, experts, k, "random")
+    y = fl.moe_experts(x, idx, torch.rand(tokens, k), w1, w2)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y.backward(torch.randn_like(y))
+    events = prof.events()
+    allocated = sum(e.self_cpu_memory_usage for e in events if e.self_cpu_memory_usage > 0)
+    weights = (w1.numel() + w2.numel()) * 4
+    activations = tokens * k * (2 * hidden + 3 * ffn) * 4
+    assert allocated <= 4 * (weights + activations), (allocated, weights, activations)
+    clears = sum(e.name in ("aten::zero_", "aten::fill_") for e in events)
+    assert clears <= 8, clears
+
+
 def test_experts_in_tensorflow_and_jax(rng):
     tf = pytest.importorskip("tensorflow")
     jax = pytest.importorskip("jax")
@@ -311,71 +361,6 @@ def test_experts_in_tensorflow_and_jax(rng):
     for name, (a, k) in (("tf", conv(tf.constant)), ("jax", conv(jnp.asarray))):
         got = fl.moe_experts(*a, **k)
         assert rel_err(torch.from_numpy(np.asarray(got)), want) <= 1e-5, name
-
-
-# ---------------------------------------------------------------- fuse() on transformers
-
-def _model(name):
-    import transformers
-    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=101,
-                  # the router loss too (Granite-MoE of transformers 5.17 fails on its own there)
-                  output_router_logits=name != "granitemoe")
-    configs = {
-        "qwen3_moe": dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
-                          head_dim=8, decoder_sparse_step=1, mlp_only_layers=[]),
-        "mixtral": dict(intermediate_size=24, num_local_experts=5, num_experts_per_tok=2),
-        "olmoe": dict(intermediate_size=24, num_experts=6, num_experts_per_tok=3),
-        "gpt_oss": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
-                        head_dim=8, layer_types=["sliding_attention", "full_attention"]),
-        "deepseek_v3": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
-                            num_experts_per_tok=2, n_group=2, topk_group=1,
-                            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
-                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                            num_key_value_heads=4),
-        "granitemoe": dict(intermediate_size=24, num_local_experts=5, num_experts_per_tok=2),
-    }
-    config = transformers.CONFIG_MAPPING[name](**{**common, **configs[name]})
-    return transformers.AutoModelForCausalLM.from_config(config)
-
-
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3",
-                                  "granitemoe"])
-def test_fuse_swaps_experts_and_keeps_loss_and_gradients(name):
-    from fusedlayers.torch import fuse
-    torch.manual_seed(0)
-    model = _model(name).float().train()
-    fused = fuse(copy.deepcopy(model))
-    experts = [p for p, m in fused.named_modules() if hasattr(m, "is_transposed")]
-    swapped = {p for p, _, _ in fused.fusedlayers_report.swapped}
-    assert experts and set(experts) <= swapped, fused.fusedlayers_report
-    if name in ("qwen3_moe", "gpt_oss", "deepseek_v3"):  # gpt-oss: half angles; DeepSeek: pairs
-        assert {p for p, m in fused.named_modules() if p.endswith("self_attn")} <= swapped
-    ids = torch.randint(0, 101, (2, 11))
-    out, fout = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
-    assert abs(fout.loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
-    if getattr(out, "aux_loss", None) is not None:  # the router is the model's own
-        assert abs(fout.aux_loss.item() - out.aux_loss.item()) <= 1e-6 * abs(out.aux_loss.item())
-    out.loss.backward()
-    fout.loss.backward()
-    for (n, p), q in zip(model.named_parameters(), fused.parameters()):
-        if p.grad is not None:
-            assert rel_err(q.grad, p.grad) <= 1e-5, n
-    module = fused.get_submodule(experts[0])
-    del module.forward  # undone: the class's forward again
-    assert "forward" not in module.__dict__
-
-
-def test_fuse_leaves_what_it_cannot_take():
-    from fusedlayers.torch import fuse
-    model = _model("qwen3_moe")
-    model.model.layers[0].mlp.experts._is_expert_parallel = True
-    report = fuse(model, moe_experts=True).fusedlayers_report
-    assert any("expert-parallel" in why for path, _, why in report.left
-               if path == "model.layers.0.mlp.experts"), report
-    untouched = fuse(_model("qwen3_moe"), moe_experts=False)
-    assert not any("forward" in m.__dict__ for m in untouched.modules()
-                   if hasattr(m, "is_transposed"))
 
 
 # ---------------------------------------------------------------- Keras and Flax

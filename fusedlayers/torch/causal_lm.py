@@ -3,15 +3,18 @@ model's loss run as one `linear_cross_entropy` and the logits are never made (th
 `logits` is None, as Liger-Kernel's patched models return them).
 
 Per model instance, nothing global: the model gets, on the instance, a forward that calls its
-class's own forward (its decorators, its base model, its post-processing) with the labels taken
-out, while its `lm_head` gets, on the instance, a forward that hands the hidden states over
-instead of projecting them; the loss is then Hugging Face's causal-LM loss (labels shifted left,
-ignore_index -100, mean over the non-ignored labels or sum / `num_items_in_batch`, given
+class's own forward (its decorators, its base model, its post-processing, every term it adds to
+the loss after the cross-entropy, such as MoE routers' `router_aux_loss_coef * aux_loss`) while
+its `lm_head` gets, on the instance, a forward that hands the hidden states over instead of
+projecting them, and its `loss_function` computes Hugging Face's causal-LM loss (labels shifted
+left, ignore_index -100, mean over the non-ignored labels or sum / `num_items_in_batch`, given
 `shift_labels`) on those hidden states, with Gemma 2's `final_logit_softcapping`. In eval(),
 without labels or without grad mode, the model runs as before. A model is fused only where a
-probe batch gives the same loss both ways (a model that scales its logits otherwise, say, is
-left and reported). `del model.forward; del model.lm_head.forward` undoes it."""
+probe batch gives the same loss both ways, with the router's logits on where the forward takes
+`output_router_logits` (a model that scales its logits otherwise, say, is left and reported).
+`del model.forward, model.lm_head.forward, model._loss_function` undoes it."""
 
+import inspect
 import types
 
 import torch
@@ -32,19 +35,22 @@ def fuse_causal_lm(model: nn.Module) -> tuple[bool, str | None]:
     if not isinstance(head, nn.Linear) or config is None or \
             not type(model).__name__.endswith("ForCausalLM"):
         return False, None
-    if "forward" in vars(model) or "forward" in vars(head):
-        return False, "its forward or its lm_head's forward is already an instance's own"
+    if "forward" in vars(model) or "forward" in vars(head) or "_loss_function" in vars(model):
+        return False, "its forward, its lm_head's forward or its loss_function is already an " \
+                      "instance's own"
     loss_fn = getattr(model, "loss_function", None)
     if getattr(loss_fn, "__name__", None) != "ForCausalLMLoss":
         return False, f"its loss is {getattr(loss_fn, '__name__', loss_fn)!r}, not Hugging " \
                       f"Face's ForCausalLMLoss"
-    softcap = getattr(config, "final_logit_softcapping", None)
     head.forward = types.MethodType(_head_forward, head)
     model.forward = types.MethodType(_fused_forward, model)
-    model._fusedlayers_softcap = softcap
+    model._loss_function = types.MethodType(_fused_loss, model)
+    model._fusedlayers_softcap = getattr(config, "final_logit_softcapping", None)
+    model._fusedlayers_loss = loss_fn
     why = _probe(model)
     if why is not None:
-        del model.forward, head.forward, model._fusedlayers_softcap
+        del model.forward, head.forward, model._loss_function
+        del model._fusedlayers_softcap, model._fusedlayers_loss
         return False, why
     return True, None
 
@@ -60,21 +66,30 @@ def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
 def _fused_forward(self, *args, labels=None, _fusedlayers_force=False, **kwargs):
     """The class's forward; in training with labels, with the LM head and loss fused."""
     cls_forward = type(self).forward
-    if labels is None or kwargs.get("return_dict") is False or not (
-            _fusedlayers_force or (self.training and torch.is_grad_enabled())):
+    if labels is None or not (_fusedlayers_force or (self.training and torch.is_grad_enabled())):
         return cls_forward(self, *args, labels=labels, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
     head = self.lm_head
     head._fusedlayers_hidden = []
     try:
-        out = cls_forward(self, *args, **{k: v for k, v in kwargs.items()
-                                          if k not in ("num_items_in_batch", "shift_labels")})
-        [hidden] = head._fusedlayers_hidden
+        out = cls_forward(self, *args, labels=labels, return_dict=True, **kwargs)
     finally:
         head._fusedlayers_hidden = None
-    loss = causal_lm_loss(hidden, head.weight, labels, linear_bias=head.bias,
+    out = type(out)(**{k: v for k, v in out.items() if k != "logits"}, logits=None)
+    return out if return_dict else out.to_tuple()
+
+
+def _fused_loss(self, logits, labels, vocab_size=None, **kwargs):
+    """The model's loss_function: in the fused forward, the causal-LM loss from the hidden states
+    its lm_head handed over (logits is then their empty slice); else the model's own."""
+    captured = getattr(self.lm_head, "_fusedlayers_hidden", None)
+    if not captured:
+        return self._fusedlayers_loss(logits, labels, vocab_size, **kwargs)
+    hidden = captured.pop()
+    return causal_lm_loss(hidden, self.lm_head.weight, labels, linear_bias=self.lm_head.bias,
                           softcap=self._fusedlayers_softcap, **kwargs)
-    rest = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    return type(out)(loss=loss, logits=None, **rest)
 
 
 def causal_lm_loss(hidden: torch.Tensor, linear_weight: torch.Tensor, labels: torch.Tensor, *,
@@ -96,20 +111,31 @@ def causal_lm_loss(hidden: torch.Tensor, linear_weight: torch.Tensor, labels: to
                                 num_items_in_batch=num_items_in_batch, loss_dtype=torch.float32)
 
 
+def takes_router_logits(model: nn.Module) -> bool:
+    """Whether the model's forward takes output_router_logits (MoE LMs whose loss may add the
+    router's load-balancing term)."""
+    return "output_router_logits" in inspect.signature(type(model).forward).parameters
+
+
 def _probe(model: nn.Module) -> str | None:
-    """Why the fused loss differs from the model's own on a probe batch, or None."""
+    """Why the fused loss differs from the model's own on a probe batch, or None. The probe
+    turns on what the class adds to the loss (the router's load-balancing term where the forward
+    takes output_router_logits) and divides by num_items_in_batch."""
     like = model.lm_head.weight
     if like.device.type == "meta":
         return "no parameters on a real device to probe it with"
     vocab = model.lm_head.out_features
     gen = torch.Generator(device=like.device).manual_seed(0)
     ids = torch.randint(0, vocab, (2, 6), generator=gen, device=like.device)
+    kwargs = dict(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(7))
+    if takes_router_logits(model):
+        kwargs["output_router_logits"] = True
     was_training = model.training
     model.eval()  # no dropout: both passes see the same function
     try:
         with torch.no_grad():
-            want = type(model).forward(model, input_ids=ids, labels=ids).loss
-            got = model(input_ids=ids, labels=ids, _fusedlayers_force=True).loss
+            want = type(model).forward(model, **kwargs).loss
+            got = model(**kwargs, _fusedlayers_force=True).loss
     except Exception as e:  # a forward the capture does not fit: left as it is
         return f"the probe failed ({type(e).__name__}: {e})"
     finally:

@@ -50,7 +50,7 @@ from .. import ops
 from ..fuse_report import FuseReport, class_name
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
-from .causal_lm import fuse_causal_lm
+from .causal_lm import fuse_causal_lm, takes_router_logits
 from .layer_norm import LayerNorm
 from .moe_experts import fuse_experts
 from .residual_add import fuse_adds
@@ -154,10 +154,15 @@ def _fuse_causal_lm(model: nn.Module, report: FuseReport) -> None:
     for path, module in model.named_modules():
         fused, why = fuse_causal_lm(module)
         if fused:
+            coef = getattr(module.config, "router_aux_loss_coef", None) \
+                if takes_router_logits(module) else None
+            kept = "" if coef is None else \
+                f"; the router's load-balancing loss (router_aux_loss_coef {coef:g}) kept"
             report.swapped.append((_join(path, "lm_head"), _describe(module.lm_head),
-                                   "fusedlayers.torch.linear_cross_entropy with the model's loss "
-                                   "in training with labels; no logits returned then "
-                                   "(`del model.forward; del model.lm_head.forward` undoes it)"))
+                                   f"fusedlayers.torch.linear_cross_entropy with the model's loss "
+                                   f"in training with labels{kept}; no logits returned then "
+                                   f"(`del model.forward, model.lm_head.forward, "
+                                   f"model._loss_function` undoes it)"))
         elif why is not None:
             report.left.append((_join(path, "lm_head"), _describe(module.lm_head),
                                 f"linear_cross_entropy: {why}"))
