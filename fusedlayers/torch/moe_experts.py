@@ -51,6 +51,13 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         raise ValueError(f"fusedlayers.moe_experts: activation must be one of "
                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
     num_experts = gate_up_proj.shape[0]
+    out_dtype = hidden_states.dtype
+    dtype = _autocast_dtype(hidden_states, gate_up_proj)
+    if dtype is not None:  # as autocast runs a matmul: every operand cast once, in this forward
+        hidden_states, gate_up_proj, down_proj = (
+            t.to(dtype) for t in (hidden_states, gate_up_proj, down_proj))
+        gate_up_proj_bias, down_proj_bias = (
+            None if t is None else t.to(dtype) for t in (gate_up_proj_bias, down_proj_bias))
     xs, row_index, offsets = moe_permute_op(hidden_states, top_k_index, num_experts)
     expert = None
     if gate_up_proj_bias is not None or down_proj_bias is not None:
@@ -72,8 +79,20 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     weights = top_k_weights
     if weights.dtype not in (y.dtype, torch.float32):
         weights = weights.to(y.dtype)
-    return moe_unpermute_op(y, top_k_index, row_index, weights, num_experts).to(
-        hidden_states.dtype)
+    return moe_unpermute_op(y, top_k_index, row_index, weights, num_experts).to(out_dtype)
+
+
+def _autocast_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run these GEMMs in (its lower-precision dtype for float32 and
+    other half operands, as for torch.matmul), or None outside autocast or where nothing is cast
+    (torch does not list grouped_mm in autocast's policy, so moe_experts applies it itself)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if x.dtype == weight.dtype == dtype or torch.float64 in (x.dtype, weight.dtype):
+        return None
+    return dtype
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
@@ -86,27 +105,28 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     if _grouped_mm_fits(x, w):
         return F.grouped_mm(x, w, offs=offsets)
     ends = offsets.tolist()  # one host sync
-    parts, start = [], 0
-    for e, end in enumerate(ends):
-        if end > start:
-            parts.append(x[start:end] @ w[e])
-        start = end
-    if start < x.shape[0] or not parts:
-        parts.append(x.new_zeros(x.shape[0] - start, w.shape[-1]))
+    sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+    # split and unbind, not slices and w[e]: their backward writes each gradient once, where a
+    # slice's or an index's backward would write a zero tensor of the whole operand per expert
+    rows = x.split(sizes + [x.shape[0] - sum(sizes)])
+    parts = [r @ w_e for r, w_e, size in zip(rows, w.unbind(0), sizes) if size]
+    parts.append(x.new_zeros(rows[-1].shape[0], w.shape[-1]))
     return torch.cat(parts)
 
 
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands: bfloat16 on CUDA (its kernels there),
-    float32/bfloat16/float16 on the CPU, rows 16-byte aligned either way."""
-    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
+    """Whether torch's grouped GEMM takes these operands: float32/bfloat16/float16 on CUDA
+    (CUTLASS's kernels for bfloat16 on sm90 and sm100, else ATen's loop of GEMMs over the groups,
+    whose backward is a grouped GEMM too) and on the CPU, rows 16-byte aligned; under
+    torch.compile bfloat16 only."""
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype or \
+            x.device.type not in ("cpu", "cuda") or \
+            x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if x.is_cuda:
-        ok = x.dtype == torch.bfloat16
-    else:
-        ok = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # torch's fake kernel of grouped_mm takes bfloat16 alone
     size = x.element_size()
-    return ok and x.shape[-1] * size % 16 == 0 and w.shape[-1] * size % 16 == 0 and \
+    return x.shape[-1] * size % 16 == 0 and w.shape[-1] * size % 16 == 0 and \
         w.shape[-2] * size % 16 == 0
 
 
