@@ -122,6 +122,9 @@ def bench(argv: list[str]) -> int:
                        help="torch: autocast (bf16 compute, fp32 params), bf16 (bf16 params), "
                             "fp32 (default: autocast,bf16; qwen3-moe: bf16); Keras: its dtype "
                             "policies, mixed_bfloat16 or float32 (default: mixed_bfloat16)")
+    model.add_argument("--layers", type=int,
+                       help="torch: the Llamas' and the MoE's decoder layers (default: the "
+                            "model's; qwen3-moe with float32 parameters: 4, as 8 do not fit 80 GB)")
     model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
     model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
     model.add_argument("--distributed", action="store_true",
@@ -208,7 +211,7 @@ def _bench_model(args, device: str, name: str) -> int:
                   tuple(args.precision.split(",")) if args.precision else None,
                   tuple(args.modes.split(",")),
                   args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed,
-                  peers=args.peers)
+                  peers=args.peers, layers=args.layers)
     if args.distributed:
         dist.destroy_process_group()
     if first and args.json:

@@ -46,9 +46,11 @@ DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64
 # weights under a different forward): three copies of the MoE's ~5.5B parameters with their
 # gradients and AdamW states would not fit one GPU.
 SHARED_WEIGHTS = {"qwen3-moe"}
-# Precisions when none is asked for: the MoE in bf16 parameters (transformers' grouped GEMM path
-# needs bf16 weights; under autocast its float32 weights take the per-expert loop).
+# Precisions when none is asked for: the MoE in bf16 parameters.
 DEFAULT_PRECISIONS = {"qwen3-moe": ("bf16",)}
+# Layers with float32 parameters (autocast, fp32) where the model's own count would not fit an
+# 80 GB GPU: the MoE's float32 parameters, gradients and AdamW states of 8 layers take ~88 GB.
+FLOAT32_LAYERS = {"qwen3-moe": 4}
 CPU_BATCHES = (8,)
 SEQ = 512
 
@@ -73,8 +75,9 @@ class ModelRow:
     liger_peak_mb: float | None = None
 
 
-def build(name: str, tiny: bool, seed: int = 0):
-    """(model, inputs(batch, device, dtype)) for one of MODELS, from config, random weights."""
+def build(name: str, tiny: bool, seed: int = 0, layers: int | None = None):
+    """(model, inputs(batch, device, dtype)) for one of MODELS, from config, random weights;
+    layers: the decoder's layer count instead of the model's (Llamas and the MoE)."""
     import transformers
     transformers.logging.set_verbosity_error()
     small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
@@ -106,6 +109,8 @@ def build(name: str, tiny: bool, seed: int = 0):
             llama.update(vocab_size=128256)
         if tiny:
             llama.update(small, num_key_value_heads=2, vocab_size=1000)
+        if layers:
+            llama.update(num_hidden_layers=layers)
         lm = name.startswith("llama-lm")
         model_cls = transformers.LlamaForCausalLM if lm else transformers.LlamaModel
         model = model_cls(transformers.LlamaConfig(**llama))
@@ -123,6 +128,8 @@ def build(name: str, tiny: bool, seed: int = 0):
         if tiny:
             moe.update(small, num_key_value_heads=2, head_dim=16, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=1000)
+        if layers:
+            moe.update(num_hidden_layers=layers)
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**moe))
         vocab, moe_seq = model.config.vocab_size, 32 if tiny else 2048
 
@@ -259,12 +266,13 @@ def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
 def run(name: str, device: str = "cuda", batches=None, precisions=None,
         modes=("eager", "compile"), rounds: int = 5, steps: int = 4, warmup: int = 3,
         tiny: bool = False, log=print, distributed: bool = False,
-        peers: bool = False) -> list[ModelRow]:
+        peers: bool = False, layers: int | None = None) -> list[ModelRow]:
     """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
     `distributed`: under an initialized torch.distributed process group, each model in DDP.
     `peers`: the Llamas and the MoE in eager mode also with Liger-Kernel's patches (_liger), in
     the same rounds, where it imports. precisions: default DEFAULT_PRECISIONS, else autocast and
-    bf16."""
+    bf16. layers: the decoder's layer count (default: the model's, or FLOAT32_LAYERS with float32
+    parameters); a count other than the model's is named in the rows."""
     from ..torch import fuse
     precisions = precisions or DEFAULT_PRECISIONS.get(name, ("autocast", "bf16"))
     unknown = set(precisions) - {"autocast", "bf16", "fp32"} | set(modes) - {"eager", "compile"}
@@ -276,7 +284,9 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
         batches = CPU_BATCHES if dev.type == "cpu" else DEFAULT_BATCHES[name]
     rows = []
     for precision in precisions:
-        base, make_inputs = build(name, tiny)
+        n_layers = layers or (None if tiny or precision == "bf16" else FLOAT32_LAYERS.get(name))
+        base, make_inputs = build(name, tiny, layers=n_layers)
+        label = name if n_layers is None else f"{name} ({n_layers} layers)"
         if precision == "bf16":
             base = base.to(torch.bfloat16)
         base = base.to(dev).train()
@@ -313,7 +323,7 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                 gpu = {k: v.gpu_ms(inputs) for k, v in variants.items()}
                 peak = {k: v.peak_mb(inputs) for k, v in variants.items()}
                 ms = {k: statistics.median(t) for k, t in times.items()}
-                row = ModelRow(name, batch, precision, mode, ms["unfused"], ms["fused"],
+                row = ModelRow(label, batch, precision, mode, ms["unfused"], ms["fused"],
                                ms["unfused"] / ms["fused"], gpu["unfused"][0], gpu["fused"][0],
                                gpu["fused"][1], peak["unfused"], peak["fused"], diff,
                                ms.get("liger"), peak.get("liger"))
