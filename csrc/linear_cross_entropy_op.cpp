@@ -9,10 +9,18 @@ namespace fusedlayers {
 namespace {
 
 constexpr const char* kOp = "linear_cross_entropy";
-// A chunk of at least this many rows: the dX GEMM of a chunk (rows x H) fills the GPU, and dW's
-// read-modify-write per chunk is amortized over a GEMM of that depth; larger where the input
-// itself is larger than such a chunk's logits.
+// The chunk's size (linear_cross_entropy_chunk_rows): its logits, rows x V, take about the
+// input's size (N x H: Liger-Kernel's bound) or, where that is fewer rows, up to the larger of
+// kChunkWeightShare of the weight's size (dW, as large as W, is held through the loop anyway, so
+// the op's extra memory stays within 1 + kChunkWeightShare of what dW and dX take) and
+// kChunkLogits elements, but no more than kMinChunkRows rows: the number at which the dX GEMM
+// (rows x H outputs) fills the GPU and dW's read-modify-write per chunk is amortized over a GEMM
+// of that depth. A chunk of more than kChunkRowMultiple rows is a multiple of it: the GEMMs'
+// row tiles, which a partial last tile would leave part idle in every chunk.
 constexpr int64_t kMinChunkRows = 2048;
+constexpr double kChunkWeightShare = 1.0 / 3;
+constexpr int64_t kChunkLogits = int64_t(1) << 24;
+constexpr int64_t kChunkRowMultiple = 128;
 
 DType loss_dtype(DType t) { return t == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
@@ -73,8 +81,12 @@ LinearCrossEntropySizes linear_cross_entropy_check(const LinearCrossEntropy& a) 
 }
 
 int64_t linear_cross_entropy_chunk_rows(int64_t n, int64_t h, int64_t v) {
-  const int64_t chunk = std::min(n, std::max(kMinChunkRows, (n * h + v - 1) / std::max<int64_t>(v, 1)));
-  return std::max<int64_t>(chunk, 1);
+  v = std::max<int64_t>(v, 1);
+  const int64_t input_sized = (n * h + v - 1) / v;
+  const int64_t capped = std::max(int64_t(kChunkWeightShare * double(h)), kChunkLogits / v);
+  int64_t chunk = std::max(input_sized, std::min(kMinChunkRows, capped));
+  if (chunk > kChunkRowMultiple) chunk -= chunk % kChunkRowMultiple;
+  return std::max<int64_t>(std::min(n, chunk), 1);
 }
 
 void linear_cross_entropy_chunk_check(const TensorRef& logits, const TensorRef& bias,

@@ -248,7 +248,7 @@ MEMORY_SCRIPT = """
 import resource, torch
 from fusedlayers.torch import linear_cross_entropy
 torch.manual_seed(0)
-n, h, v = 8192, 16, 16384
+n, h, v = 4096, 16, 65536
 x = torch.randn(n, h, requires_grad=True)
 w = torch.randn(v, h, requires_grad=True)
 t = torch.randint(0, v, (n,))
@@ -262,9 +262,22 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 def test_cpu_peak_memory_stays_far_below_the_logits():
     grown = int(subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True,
                                text=True, check=True).stdout.split()[-1])
-    logits = 8192 * 16384 * 4  # one N x V float32 buffer: 512 MiB
-    # one chunk of 1024 rows (64 MiB) and dW (1 MiB) are what the op adds
+    logits = 4096 * 65536 * 4  # one N x V float32 buffer: 1 GiB
+    # one chunk of 256 rows (64 MiB) and dW (4 MiB) are what the op adds
     assert grown < logits / 4, f"peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+def test_backward_allocates_no_second_weight_gradient():
+    """The backward of 'mean' scales the gradients the forward formed, in place: it allocates
+    nothing of dW's size (a zero gradient of the op's dW output, or a scaled copy, would be)."""
+    from torch.profiler import ProfilerActivity, profile
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(4096, 32, requires_grad=True)
+    loss = linear_cross_entropy(x, w, torch.randint(0, 4096, (64,)))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+    assert allocated < w.numel() * 4 / 2, allocated
 
 
 @pytest.mark.parametrize("grads", [False, True])

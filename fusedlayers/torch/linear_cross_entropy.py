@@ -38,7 +38,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     Liger-Kernel's losses are). Under autocast, input, weight and bias are cast to its dtype
     first, as F.linear's are.
     Memory: the gradients of input, weight and bias plus one chunk of logits (rows x V), never
-    N x V. With reduction 'mean' or 'sum' and an argument requiring grad, the gradients are
+    N x V: about input's size, or up to 2048 rows within a third of the weight's size or 2^24
+    logits (csrc's rule). With reduction 'mean' or 'sum' and an argument requiring grad, the gradients are
     computed during the forward and scaled in the backward (three GEMMs in all); with 'none'
     the backward recomputes the logits (four).
 
@@ -130,6 +131,9 @@ def _linear_cross_entropy(input, weight, bias, target, items, reduction, ignore_
 def _setup_context(ctx, inputs, output):
     input, weight, bias, target, items, reduction, ignore_index, *options, grads = inputs
     ctx.reduction, ctx.has_bias, ctx.grads = reduction, bias is not None, grads
+    # The gradient outputs are never differentiated: no zero tensors of their sizes (dW's is the
+    # weight's) for their gradients in the backward.
+    ctx.set_materialize_grads(False)
     ctx.args = (ignore_index, *options)
     # Eagerly the first backward scales the forward's gradients in place (no second dW, as large
     # as the weight): they are held outside the saved tensors, whose versions autograd checks,
@@ -147,6 +151,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dloss, *_):
     none = (None,) * 8  # target, items and the options
+    if dloss is None:  # no gradient reaches the loss (grads are not materialized)
+        return (None,) * 3 + none
     if ctx.grads and (ctx.grads_once or not ctx.in_place):
         # computed in the forward for a scale of 1: times the loss's gradient
         dx, dw, db = ctx.grads_once or ctx.saved_tensors
