@@ -295,6 +295,18 @@ def test_experts_gate_function_and_bfloat16(rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hidden", [16, 13])  # rows 16-byte aligned (grouped_mm) or not (loop)
+def test_experts_float32_against_float64(device, hidden, rng):
+    tokens, ffn, experts, k = 37, 8, 5, 2
+    t = lambda *s: torch.from_numpy(rng.normal(s, scale=0.4)).to(device)  # noqa: E731
+    args = [t(tokens, hidden), routing(rng, tokens, experts, k, "unreached").to(device),
+            t(tokens, k).abs(), t(experts, 2 * ffn, hidden), t(experts, hidden, ffn)]
+    want = tmoe["moe_experts"].reference(*args)
+    got = fl.moe_experts(*[a.float() if a.is_floating_point() else a for a in args])
+    assert got.dtype == torch.float32 and rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_experts_under_autocast_run_in_its_dtype(device, rng):
     """Under autocast the experts' GEMMs run as autocast runs a matmul: float32 hidden states and
     weights cast once to its dtype (the same bits as moe_experts on the cast operands, not those
