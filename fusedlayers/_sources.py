@@ -22,7 +22,12 @@ BUILD_COMMAND = "pip install --no-build-isolation -e ."
 # -Wno-psabi: csrc/cpu_vec.h's 64-byte float vectors only cross inlined calls, so GCC's note that
 # their ABI differs with and without AVX-512 concerns no function of the libraries.
 CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi"]
-NVCC_FLAGS = ["-O3", "-std=c++17"]
+# -warn-spills: ptxas says which kernels spill registers (output shown where a build prints it).
+NVCC_FLAGS = ["-O3", "-std=c++17", "-Xptxas", "-warn-spills"]
+# A folder where nvcc's objects are kept by the hash of their command, source and headers, when
+# set: a second build of the same kernels copies them (CI compiles every kernel once, for its
+# check that each compiles and for the TensorFlow GPU library's test).
+OBJECT_CACHE = "FUSEDLAYERS_OBJECT_CACHE"
 
 
 def torch_openmp_flags(openmp: bool) -> list[str]:
@@ -137,9 +142,7 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
         if cuda_home is None:
             raise NotBuiltError("fusedlayers: CUDA requested but no toolkit found; set CUDA_HOME")
         cflags.append(CUDA_DEFINE)
-        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
-        nvcc = [f"{cuda_home}/bin/nvcc", *NVCC_FLAGS, f"-I{ROOT}", CUDA_DEFINE,
-                *gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+        nvcc = nvcc_command(cuda_home, os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS))
         libdir = next((d for d in (Path(cuda_home) / "lib64",
                                    Path(cuda_home) / "targets/x86_64-linux/lib")
                        if (d / "libcudart_static.a").exists()), Path(cuda_home) / "lib64")
@@ -158,8 +161,10 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
 
         def compile_one(pair):
             src, obj = pair
-            compiler = nvcc if src.suffix == ".cu" else ["g++", *cflags]
-            run([*compiler, "-c", str(src), "-o", str(obj)])
+            if src.suffix == ".cu":
+                compile_cuda(nvcc, src, obj, run)
+            else:
+                run(["g++", *cflags, "-c", str(src), "-o", str(obj)])
 
         jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
@@ -167,6 +172,52 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
         run(["g++", "-shared", "-o", str(output), *map(str, objects), *ldflags])
     record_build(output, digest)
     return True
+
+
+def nvcc_command(cuda_home: str, archs: str, include=()) -> list[str]:
+    """nvcc's command for csrc's CUDA kernels (before -c SOURCE -o OBJECT), for the archs of a
+    TORCH_CUDA_ARCH_LIST-style list; `include`: more header folders."""
+    return [f"{cuda_home}/bin/nvcc", *NVCC_FLAGS, f"-I{ROOT}", *(f"-I{d}" for d in include),
+            CUDA_DEFINE, *gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+
+
+def compile_cuda(nvcc: list[str], src: Path, obj: Path, run) -> None:
+    """run(nvcc -c src -o obj), or a copy of the object the same command made from the same
+    source and headers, kept in $FUSEDLAYERS_OBJECT_CACHE (OBJECT_CACHE) where it is set."""
+    cache = os.environ.get(OBJECT_CACHE)
+    kept = Path(cache) / f"{src.stem}_{sources_digest(repr(nvcc), [src])[:24]}.o" if cache \
+        else None
+    if kept is not None and kept.exists():
+        shutil.copyfile(kept, obj)
+        return
+    run([*nvcc, "-c", str(src), "-o", str(obj)])
+    if kept is not None:
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(obj, tmp)
+        tmp.replace(kept)  # atomic: a concurrent build sees a whole object or none
+
+
+def compile_cuda_kernels(archs: str, gemm_include: str, out: Path) -> None:
+    """Compiles every csrc/*.cu into `out` for `archs` (CI's check that each compiles, with
+    ptxas' spill report printed), the cuBLASLt sources (GEMM_SOURCES) with cuBLAS's headers from
+    `gemm_include`. Raises NotBuiltError with the first failing command."""
+    cuda_home = find_cuda_home()
+    if cuda_home is None:
+        raise NotBuiltError("fusedlayers: no CUDA toolkit found; set CUDA_HOME")
+
+    def run(cmd):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n{done.stderr}")
+        print(f"{Path(cmd[-3]).name}: compiled\n{done.stderr}".strip())
+
+    def compile_one(src: Path):
+        include = [gemm_include] if src.name in GEMM_SOURCES else []
+        compile_cuda(nvcc_command(cuda_home, archs, include), src, out / f"{src.stem}.o", run)
+
+    jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(compile_one, sorted(ROOT.glob("csrc/*.cu"))))
 
 
 def sources_digest(key: str, sources) -> str:

@@ -16,7 +16,9 @@ pytest.importorskip("tensorflow")
 from fusedlayers import _sources  # noqa: E402
 from fusedlayers.tensorflow import _library  # noqa: E402
 
-pytestmark = pytest.mark.skipif(_sources.find_cuda_home() is None, reason="needs nvcc")
+# One worker builds the library for both tests (pytest-xdist's --dist loadgroup).
+pytestmark = [pytest.mark.skipif(_sources.find_cuda_home() is None, reason="needs nvcc"),
+              pytest.mark.xdist_group("tf_gpu_library")]
 
 OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm",
        "FusedlayersLayerNormGrad", "FusedlayersLinearGeluEpilogue", "FusedlayersLinearGeluEpilogueGrad",
@@ -25,11 +27,12 @@ OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm
 
 @pytest.fixture(scope="module")
 def gpu_library(tmp_path_factory):
-    """Built for one architecture: what is checked here (linking, symbols, registration) does not
-    depend on it, and CI's nvcc stage compiles every kernel for each architecture."""
+    """Built for one architecture (what is checked here, linking, symbols and registration,
+    does not depend on it), or in CI for the archs of its nvcc stage ($CI_CUDA_ARCHS), whose
+    objects it copies from $FUSEDLAYERS_OBJECT_CACHE instead of compiling them again."""
     path = tmp_path_factory.mktemp("tf_gpu") / "_tf_ops.so"
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+        env.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("CI_CUDA_ARCHS", "9.0"))
         _library.build(path, cuda=True)
     return path
 
