@@ -114,7 +114,7 @@ setup(
         # The tests run the examples (distributed) and the bench's plots: they need theirs too.
         # ONNX export of fused models (onnxscript: torch's dynamo exporter; onnxruntime runs it).
         # Flax's NNX modules (pinned: a newer flax could pull a newer jax over the pinned one).
-        "test": ["pytest", "numpy", "expecttest", "onnx", "onnxscript", "onnxruntime",
+        "test": ["pytest", "pytest-xdist", "numpy", "expecttest", "onnx", "onnxscript", "onnxruntime",
                  "flax==0.12.8", *EXAMPLES_REQUIRE],
         "tensorflow": ["tensorflow-cpu==2.21.0"],
         "jax": ["jax"],
