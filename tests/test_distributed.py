@@ -51,8 +51,11 @@ def train(tmp_path: Path, name: str, launcher: list[str], example: str, extra=()
     cmd = [*launcher, str(EXAMPLES / example), *(["--epochs", str(EPOCHS)] if epochs else []),
            "--json", str(out), "--plot", str(tmp_path / f"{name}.png"), *extra]
     # The checkout first on the path: the example imports this fusedlayers, installed or not.
+    # One OpenMP thread per process, as torchrun sets for its workers: beside another pytest
+    # worker's compiles, spinning OpenMP threads made a 3-epoch run take minutes.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), **(env_extra or {})}
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), "OMP_NUM_THREADS": "1",
+        **(env_extra or {})}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return json.loads(out.read_text())

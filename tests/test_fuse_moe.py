@@ -113,7 +113,7 @@ def test_loss_and_every_gradient_keep_the_router_loss(name, router, seed):
             assert rel_err(g, grads_ref[n]) <= 1e-5, n
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_bfloat16_loss_and_gradients_calibrated(name, seed):
     """In bfloat16 the fused model is as close to the float32 model as the unfused one is (both
     round their GEMMs and activations to bfloat16, in other orders)."""
