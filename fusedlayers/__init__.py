@@ -173,11 +173,20 @@ def moe_unpermute(ys, top_k_index, row_index, top_k_weights, num_experts: int):
     return backend.moe_unpermute(ys, top_k_index, row_index, top_k_weights, num_experts)
 
 
+def grouped_gemm(x, weight, offsets, *, transposed: bool = False):
+    """y[rows of g] = x[rows of g] @ W_g for each group g's rows [offsets[g - 1], offsets[g]):
+    a mixture-of-experts layer's expert GEMMs. See fusedlayers.torch.grouped_gemm for shapes,
+    dtypes and errors."""
+    backend = _backend(x, "grouped_gemm", "x", weight=weight, offsets=offsets)
+    return backend.grouped_gemm(x, weight, offsets, transposed=transposed)
+
+
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                 gate_up_proj_bias=None, down_proj_bias=None, transposed: bool = False,
-                activation: str = "silu", gate=None):
+                activation: str = "silu", gate=None, gemm: str | None = None):
     """The routed experts of a mixture-of-experts layer with transformers' experts arguments:
-    moe_permute, a grouped GEMM, the gated activation, a grouped GEMM, moe_unpermute. See
+    moe_permute, a grouped GEMM, the gated activation, a grouped GEMM, moe_unpermute; gemm
+    "fusedlayers" (grouped_gemm), "framework" or None (each framework's choice). See
     fusedlayers.torch.moe_experts for shapes, dtypes and errors."""
     backend = _backend(hidden_states, "moe_experts", "hidden_states", top_k_index=top_k_index,
                        top_k_weights=top_k_weights, gate_up_proj=gate_up_proj,
@@ -186,4 +195,4 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     return backend.moe_experts(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
         gate_up_proj_bias=gate_up_proj_bias, down_proj_bias=down_proj_bias,
-        transposed=transposed, activation=activation, gate=gate)
+        transposed=transposed, activation=activation, gate=gate, gemm=gemm)

@@ -32,8 +32,21 @@ def _torch_info() -> bool:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            print(f"  cuda:{i} {p.name} sm_{p.major}{p.minor}")
+            hopper = (p.major, p.minor) == (9, 0) and _hopper_built()
+            print(f"  cuda:{i} {p.name} sm_{p.major}{p.minor}; {_grouped_gemm_path(hopper)}")
     return True
+
+
+def _hopper_built() -> bool:
+    """Whether setup.py built the grouped GEMM's Hopper kernels (its summary, _build.txt)."""
+    build = os.path.join(os.path.dirname(fusedlayers.__file__), "_build.txt")
+    return os.path.exists(build) and "Hopper grouped GEMM: built" in open(build).read()
+
+
+def _grouped_gemm_path(hopper: bool) -> str:
+    return ("grouped_gemm: CUTLASS's Hopper kernels (bfloat16, widths multiples of 8; else the "
+            "tiled kernel)" if hopper else
+            "grouped_gemm: the tiled kernel (moe_experts: the framework's grouped GEMM)")
 
 
 def _tensorflow_info() -> bool:
@@ -62,6 +75,13 @@ def _jax_info() -> bool:
         return False
     cuda = hasattr(_op.lib, "fusedlayers_xla_layer_norm_forward_cuda")
     print(f"  library: loaded; XLA custom-call handlers for CPU{', CUDA' if cuda else ''}")
+    if cuda:
+        from fusedlayers import _csrc_check
+        for d in (d for d in jax.devices() if d.platform == "gpu"):
+            major, minor = (int(v) for v in d.compute_capability.split("."))
+            hopper = _csrc_check.grouped_gemm_hopper(_op.lib, 8, 8, 8, 1, _op.csrc_dtype(
+                jax.numpy.bfloat16), major * 10 + minor)
+            print(f"  {d} sm_{major}{minor}; {_grouped_gemm_path(hopper)}")
     return True
 
 
@@ -138,8 +158,9 @@ def bench(argv: list[str]) -> int:
                         help="comma-separated, of mlp and the --model names")
     args = parser.parse_args(argv)
     if args.framework == "jax" and args.model:
-        if args.model not in ("bert-base", "llama", "llama-lm", "llama-lm-128k"):
-            parser.error("--framework jax --model: bert-base, llama, llama-lm or llama-lm-128k")
+        if args.model not in ("bert-base", "llama", "llama-lm", "llama-lm-128k", "qwen3-moe"):
+            parser.error("--framework jax --model: bert-base, llama, llama-lm, llama-lm-128k or "
+                         "qwen3-moe")
         return _bench_keras_model(args)
 
     import torch
@@ -225,12 +246,15 @@ def _bench_keras_model(args) -> int:
     from fusedlayers.bench import keras_models as km
     import jax
     name = f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"
-    if args.model.startswith("llama-lm"):  # the Flax NNX model first, then Keras'
+    if args.model.startswith("llama-lm") or args.model == "qwen3-moe":  # Flax NNX, then Keras'
         from fusedlayers.bench import flax_models as fm
         print(f"device: {name}, Flax NNX\n{fm.HEADER}", flush=True)
-        for batch in (args.batch.split(",") if args.batch else ("2" if args.tiny else "4",)):
+        default = "2" if args.tiny or args.model == "qwen3-moe" else "4"
+        for batch in (args.batch.split(",") if args.batch else (default,)):
             fm.run(args.model, int(batch), args.rounds, args.steps, tiny=args.tiny,
                    log=lambda line: print(line, flush=True))
+        if args.model == "qwen3-moe":  # the Flax model alone: Keras has no MoE model here
+            return 0
     print(f"device: {name}, Keras' JAX backend\n{km.HEADER}", flush=True)
     rows = km.run(args.model, tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
                   tuple((args.precision or "mixed_bfloat16").split(",")), args.rounds,

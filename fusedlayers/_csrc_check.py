@@ -63,3 +63,23 @@ def chunk_rows(lib, n: int, h: int, v: int) -> int:
     fn = lib.fusedlayers_xla_linear_cross_entropy_chunk_rows
     fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] * 3
     return int(fn(n, h, v))
+
+
+def grouped_gemm_hopper(lib, rows: int, k: int, n: int, groups: int, dtype: int,
+                        arch: int) -> bool:
+    """Whether CUDA runs grouped_gemm of x (rows, k), y (rows, n) and `groups` weights of csrc
+    DType `dtype` on its Hopper kernels on a GPU of compute capability `arch` (major * 10 +
+    minor): csrc's rule (fusedlayers_xla_grouped_gemm_path)."""
+    fn = lib.fusedlayers_xla_grouped_gemm_path
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
+    return fn(rows, k, n, groups, dtype, arch) == 0
+
+
+def grouped_gemm_workspace_size(lib, rows: int, k: int, n: int, groups: int, dtype: int) -> int:
+    """grouped_gemm's CUDA workspace bytes for those operands on the current GPU (0 without
+    CUDA kernels): fusedlayers_xla_grouped_gemm_workspace_size."""
+    fn = lib.fusedlayers_xla_grouped_gemm_workspace_size
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
+    return int(fn(rows, k, n, groups, dtype))

@@ -4,6 +4,7 @@ disagree, and the command that builds them. Imports no framework."""
 
 import concurrent.futures
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -48,11 +49,72 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 # own matmuls around csrc's passes, so the TF op library needs no cuBLAS.
 GEMM_SOURCES = {"cublaslt_cuda.cu", "linear_gelu_op.cpp", "linear_gelu_cuda.cu",
                 "linear_gelu_cublaslt.cc", "linear_cross_entropy_cublaslt.cc"}
+# The grouped GEMM's Hopper kernels (CUTLASS's sm90 ptr-array grouped GEMM): compiled for sm_90a
+# alone (wgmma, TMA), with CUTLASS's headers, where the archs include 9.0 and the headers are
+# found (sm90_build); every object of that build gets SM90_DEFINE. -DNDEBUG: CUTLASS's device
+# asserts are calls that make ptxas serialize the wgmma pipeline.
+SM90_GLOB = "csrc/*_sm90_*.cu"
+SM90_DEFINE = "-DFUSEDLAYERS_WITH_CUTLASS_SM90"
+SM90_NVCC_FLAGS = ["-DNDEBUG", "--expt-relaxed-constexpr"]
+CUTLASS_PACKAGE = "nvidia-cutlass==4.2.0.0"  # its cutlass_library/source holds the headers
 
 
-def torch_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
-    """The csrc kernels and the torch binding, compiled together into one library."""
-    cu = [*root.glob("csrc/*.cu")] if cuda else []
+def cutlass_include(env=os.environ) -> list[str] | None:
+    """CUTLASS's header folders: those of the checkout at $CUTLASS_PATH, else of the installed
+    nvidia-cutlass package (CUTLASS_PACKAGE); None where neither is found."""
+    root = env.get("CUTLASS_PATH")
+    if not root:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = str(Path(next(iter(spec.submodule_search_locations))) / "source")
+    folders = [str(Path(root) / "include"), str(Path(root) / "tools/util/include")]
+    return folders if (Path(folders[0]) / "cutlass/cutlass.h").exists() else None
+
+
+def has_hopper(archs: str) -> bool:
+    """Whether a TORCH_CUDA_ARCH_LIST-style list has 9.0 (9.0a, 9.0+PTX)."""
+    return any(a.removesuffix("+PTX").rstrip("a") == "9.0"
+               for a in archs.replace(",", ";").replace(" ", ";").split(";"))
+
+
+def sm90_build(archs: str, env=os.environ) -> tuple[bool, str]:
+    """Whether a CUDA build for the TORCH_CUDA_ARCH_LIST-style `archs` compiles the Hopper
+    grouped GEMM (SM90_GLOB), and why (one line)."""
+    if not has_hopper(archs):
+        return False, f"the archs {archs!r} have no 9.0"
+    include = cutlass_include(env)
+    if include is None:
+        return False, (f"CUTLASS's headers not found (pip install --no-deps {CUTLASS_PACKAGE}, "
+                       f"or set CUTLASS_PATH to a CUTLASS checkout)")
+    return True, f"CUTLASS's headers at {include[0]}"
+
+
+def sm90_wanted(cuda: bool) -> bool:
+    """Whether a TF or JAX library built with `cuda` for $TORCH_CUDA_ARCH_LIST (default
+    DEFAULT_CUDA_ARCHS) takes the Hopper kernels."""
+    return cuda and sm90_build(os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS))[0]
+
+
+def is_sm90(src: Path) -> bool:
+    return src.match(SM90_GLOB.split("/")[-1]) and src.parent.name == "csrc"
+
+
+def cuda_sources(root: Path, sm90: bool) -> list[Path]:
+    """csrc's CUDA kernels, the Hopper ones (is_sm90) only with `sm90`."""
+    return [p for p in root.glob("csrc/*.cu") if sm90 or not is_sm90(p)]
+
+
+def sm90_nvcc_command(cuda_home: str) -> list[str]:
+    """nvcc's command for the Hopper kernels (before -c SOURCE -o OBJECT)."""
+    return [*nvcc_command(cuda_home, "", cutlass_include() or []), *SM90_NVCC_FLAGS,
+            "-gencode=arch=compute_90a,code=sm_90a"]
+
+
+def torch_sources(root: Path = ROOT, cuda: bool = False, sm90: bool = False) -> list[Path]:
+    """The csrc kernels and the torch binding, compiled together into one library (the Hopper
+    kernels, with `sm90`, are compiled apart: torch_sm90_objects)."""
+    cu = cuda_sources(root, sm90) if cuda else []
     return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/torch/*.cpp"), *cu])
 
 
@@ -105,19 +167,20 @@ def gencode_flags(arch_list: str) -> list[str]:
 
 
 def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False,
-                    gemm: bool = False) -> list[Path]:
+                    gemm: bool = False, sm90: bool = False) -> list[Path]:
     """The csrc kernels and the binding folder backends/<binding>: what the TF op library and
-    the JAX library compile; the cuBLASLt sources (GEMM_SOURCES) only with `gemm`."""
+    the JAX library compile; the cuBLASLt sources (GEMM_SOURCES) only with `gemm`, the Hopper
+    kernels only with `sm90`."""
     suffix = {"tensorflow": "*.cc", "xla": "*.cc"}[binding]
-    cu = [*root.glob("csrc/*.cu")] if cuda else []
+    cu = cuda_sources(root, sm90) if cuda else []
     return sorted(p for p in [*root.glob("csrc/*.cpp"), *root.glob(f"backends/{binding}/{suffix}"),
                               *cu] if gemm or p.name not in GEMM_SOURCES)
 
 
-def tensorflow_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
+def tensorflow_sources(root: Path = ROOT, cuda: bool = False, sm90: bool = False) -> list[Path]:
     """The same csrc kernels, the TensorFlow binding and, for its XLA kernels' custom calls, the
     XLA FFI handlers, compiled into the TF op library."""
-    return sorted(set(binding_sources("tensorflow", root, cuda)) |
+    return sorted(set(binding_sources("tensorflow", root, cuda, sm90=sm90)) |
                   {p for p in root.glob("backends/xla/*.cc") if p.name not in GEMM_SOURCES})
 
 
@@ -137,12 +200,18 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
         print(f"fusedlayers: {output.name} is up to date (built from these sources and flags)")
         return False
     cflags = ["-O3", "-fPIC", *CXX_FLAGS, f"-I{ROOT}", *cflags]
+    sm90 = any(map(is_sm90, sources))
+    if sm90:
+        cflags.append(SM90_DEFINE)
     if cuda:
         cuda_home = find_cuda_home()
         if cuda_home is None:
             raise NotBuiltError("fusedlayers: CUDA requested but no toolkit found; set CUDA_HOME")
         cflags.append(CUDA_DEFINE)
         nvcc = nvcc_command(cuda_home, os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS))
+        nvcc_sm90 = sm90_nvcc_command(cuda_home)
+        if sm90:
+            nvcc.append(SM90_DEFINE)
         libdir = next((d for d in (Path(cuda_home) / "lib64",
                                    Path(cuda_home) / "targets/x86_64-linux/lib")
                        if (d / "libcudart_static.a").exists()), Path(cuda_home) / "lib64")
@@ -162,7 +231,7 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
         def compile_one(pair):
             src, obj = pair
             if src.suffix == ".cu":
-                compile_cuda(nvcc, src, obj, run)
+                compile_cuda(nvcc_sm90 if is_sm90(src) else nvcc, src, obj, run)
             else:
                 run(["g++", *cflags, "-c", str(src), "-o", str(obj)])
 
@@ -197,13 +266,43 @@ def compile_cuda(nvcc: list[str], src: Path, obj: Path, run) -> None:
         tmp.replace(kept)  # atomic: a concurrent build sees a whole object or none
 
 
-def compile_cuda_kernels(archs: str, gemm_include: str, out: Path) -> None:
-    """Compiles every csrc/*.cu into `out` for `archs` (CI's check that each compiles, with
-    ptxas' spill report printed), the cuBLASLt sources (GEMM_SOURCES) with cuBLAS's headers from
-    `gemm_include`. Raises NotBuiltError with the first failing command."""
+def compile_sm90(out: Path, verbose: bool = False) -> list[Path]:
+    """Compiles the Hopper kernels (SM90_GLOB) into objects in `out`, in parallel; their paths.
+    For the torch extension, whose other CUDA sources share one set of nvcc flags. Raises
+    NotBuiltError with the failing command."""
     cuda_home = find_cuda_home()
     if cuda_home is None:
         raise NotBuiltError("fusedlayers: no CUDA toolkit found; set CUDA_HOME")
+    out.mkdir(parents=True, exist_ok=True)
+
+    def run(cmd):
+        if verbose:
+            print(" ".join(cmd))
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n{done.stderr}")
+
+    sources = sorted(ROOT.glob(SM90_GLOB))
+    objects = [out / f"{src.stem}.o" for src in sources]
+    jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(lambda p: compile_cuda(sm90_nvcc_command(cuda_home), *p, run),
+                      zip(sources, objects)))
+    return objects
+
+
+def compile_cuda_kernels(archs: str, gemm_include: str, out: Path) -> None:
+    """Compiles every csrc/*.cu into `out` for `archs` (CI's check that each compiles, with
+    ptxas' spill report printed), the cuBLASLt sources (GEMM_SOURCES) with cuBLAS's headers from
+    `gemm_include`, the Hopper kernels (SM90_GLOB) for sm_90a where `archs` has 9.0. Raises
+    NotBuiltError with the first failing command, or where the Hopper kernels should compile
+    and CUTLASS's headers are not found."""
+    cuda_home = find_cuda_home()
+    if cuda_home is None:
+        raise NotBuiltError("fusedlayers: no CUDA toolkit found; set CUDA_HOME")
+    sm90, why = sm90_build(archs)
+    if has_hopper(archs) and not sm90:
+        raise NotBuiltError(f"fusedlayers: the Hopper grouped GEMM cannot compile: {why}")
 
     def run(cmd):
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -212,12 +311,18 @@ def compile_cuda_kernels(archs: str, gemm_include: str, out: Path) -> None:
         print(f"{Path(cmd[-3]).name}: compiled\n{done.stderr}".strip())
 
     def compile_one(src: Path):
-        include = [gemm_include] if src.name in GEMM_SOURCES else []
-        compile_cuda(nvcc_command(cuda_home, archs, include), src, out / f"{src.stem}.o", run)
+        if is_sm90(src):
+            nvcc = sm90_nvcc_command(cuda_home)
+        else:
+            nvcc = nvcc_command(cuda_home, archs, [gemm_include] if src.name in GEMM_SOURCES
+                                else [])
+            nvcc += [SM90_DEFINE] if sm90 else []
+        compile_cuda(nvcc, src, out / f"{src.stem}.o", run)
 
     jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+    # the Hopper kernels first: the longest compiles start before the short ones
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(compile_one, sorted(ROOT.glob("csrc/*.cu"))))
+        list(pool.map(compile_one, sorted(cuda_sources(ROOT, sm90), key=lambda p: not is_sm90(p))))
 
 
 def sources_digest(key: str, sources) -> str:

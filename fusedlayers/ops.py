@@ -70,6 +70,10 @@ OPS = (
     # (tokens, hidden, num_experts, top_k): a Qwen3-30B-A3B-shaped MoE layer at 2 x 2048 tokens
     Op("moe_permute", "GB/s", _MOE_SHAPES),
     Op("moe_unpermute", "GB/s", _MOE_SHAPES),
+    # (tokens, k, n, num_groups, top_k): that layer's expert GEMMs over its routed rows, the
+    # gate/up projection 2048 -> 2 x 768 and the down projection 768 -> 2048
+    Op("grouped_gemm", "TFLOP/s", {"cuda": ((4096, 2048, 1536, 128, 8), (4096, 768, 2048, 128, 8)),
+                                   "cpu": ((512, 256, 256, 16, 4),)}),
     # (tokens, hidden, ffn, num_experts, top_k): that layer's experts
     Op("moe_experts", "TFLOP/s", {"cuda": ((4096, 2048, 768, 128, 8),),
                                   "cpu": ((512, 256, 128, 16, 4),)}),

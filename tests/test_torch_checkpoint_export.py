@@ -64,18 +64,20 @@ class LlamaOps(nn.Module):
 
 
 class Routing(nn.Module):
-    """moe_permute and moe_unpermute around a per-row scale, as an MoE block routes its tokens
-    (moe_experts is a composite: the GEMMs around these two)."""
+    """moe_permute, grouped_gemm and moe_unpermute, as an MoE block routes its tokens through
+    its experts (moe_experts is a composite of these and the activation)."""
 
     def __init__(self, width: int = 37, experts: int = 5):
         super().__init__()
         self.router, self.experts = nn.Linear(width, experts), experts
+        self.weight = nn.Parameter(torch.randn(experts, width, width) / width ** 0.5)
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         weights, index = torch.topk(torch.softmax(self.router(flat), -1), 2)
-        xs, rows, _ = flt.moe_permute(flat, index, self.experts)
-        out = flt.moe_unpermute(xs * 0.5, index, rows, weights, self.experts)
+        xs, rows, offsets = flt.moe_permute(flat, index, self.experts)
+        ys = flt.grouped_gemm(xs, self.weight, offsets)
+        out = flt.moe_unpermute(ys, index, rows, weights, self.experts)
         return x + out.reshape(x.shape)
 
 

@@ -1,5 +1,5 @@
-"""`python -m fusedlayers bench --framework jax --model llama-lm|llama-lm-128k`, its Flax NNX
-rows: the ~1.1B Llama language model of the Keras rows (fusedlayers.bench.keras_models: 16
+"""`python -m fusedlayers bench --framework jax --model llama-lm|llama-lm-128k|qwen3-moe`, its
+Flax NNX rows: the ~1.1B Llama language model of the Keras rows (fusedlayers.bench.keras_models: 16
 blocks of width 2048, GQA 32/8 heads of 64 with rotary embeddings, a 5632-wide SwiGLU MLP,
 pre-RMSNorm, vocabularies 32000 / 128256, 4 x 2048 tokens) in Flax NNX, bfloat16 computation
 with float32 parameters, a training step under `jax.jit`: the mean next-token loss, its
@@ -12,7 +12,15 @@ the next norm (AddRMSNorm, across blocks too), RotaryEmbedding, GatedMLP and Lin
 Attention is `jax.nn.dot_product_attention` in both (cuDNN's on GPUs). One model at a time (two with their
 optimizer states do not fit with the unfused logits), `rounds` runs of `steps` steps, median ms
 per step (the loss of the last step waited for); the step's XLA temp buffer (activations and
-workspace, `memory_analysis` of the compiled step) in MB; the first losses compared."""
+workspace, `memory_analysis` of the compiled step) in MB; the first losses compared.
+
+qwen3-moe: the torch bench's Qwen3-MoE-shaped LM (8 blocks of width 2048, GQA 32/4 heads of
+128 with per-head q/k RMSNorm, each block's MLP 128 experts of 768 with top-8 routing, a
+151936-word head, 2 x 2048 tokens), bfloat16 parameters (float32 ones with their AdamW state do
+not fit 80 GB). Unfused: the router, then the jnp experts block on jax.lax.ragged_dot
+(fusedlayers.jax.moe_experts.reference); fused: fusedlayers.flax's MoEExperts (grouped_gemm on
+CUDA's Hopper kernels) and the fused norms, rotation and head; a third row, fused with the
+experts' GEMMs on ragged_dot (gemm="framework"), parts the GEMMs' share from the rest."""
 
 import statistics
 import time
@@ -22,6 +30,109 @@ CONFIGS = {"llama-lm": dict(blocks=16, width=2048, heads=32, kv_heads=8, mlp=563
            "llama-lm-128k": dict(blocks=16, width=2048, heads=32, kv_heads=8, mlp=5632,
                                  vocab=128256, seq=2048),
            "tiny": dict(blocks=2, width=64, heads=4, kv_heads=2, mlp=160, vocab=1000, seq=64)}
+MOE_CONFIGS = {"qwen3-moe": dict(blocks=8, width=2048, heads=32, kv_heads=4, head_dim=128,
+                                 experts=128, top_k=8, ffn=768, vocab=151936, seq=2048),
+               "tiny": dict(blocks=2, width=64, heads=4, kv_heads=2, head_dim=16, experts=4,
+                            top_k=2, ffn=32, vocab=1000, seq=64)}
+
+
+def build_moe(blocks: int, width: int, heads: int, kv_heads: int, head_dim: int, experts: int,
+              top_k: int, ffn: int, vocab: int, seq: int, fused: bool, gemm=None, seed: int = 0):
+    """The Qwen3-MoE-shaped model (as build's), bfloat16 parameters; gemm: the fused experts'
+    GEMMs (fusedlayers.jax.moe_experts' gemm)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import fusedlayers.flax as flf
+    from fusedlayers.jax.moe_experts import reference as experts_reference
+    bf16, dim = jnp.bfloat16, head_dim
+    attention = "cudnn" if jax.devices()[0].platform == "gpu" else None
+    linear = dict(use_bias=False, dtype=bf16, param_dtype=bf16)
+
+    def rotate(x):
+        inv = 1.0 / 1e6 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+        freq = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv
+        angles = jnp.concatenate([freq, freq], -1)[None, :, None]
+        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+        return x * cos + jnp.concatenate([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
+
+    def norm(features, first, rngs):
+        cls = nnx.RMSNorm if not fused else flf.RMSNorm if first else flf.AddRMSNorm
+        return cls(features, epsilon=1e-6, dtype=bf16, param_dtype=bf16, rngs=rngs)
+
+    class Attention(nnx.Module):
+        def __init__(self, rngs):
+            self.q_proj = nnx.Linear(width, heads * dim, rngs=rngs, **linear)
+            self.k_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
+            self.v_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
+            self.o_proj = nnx.Linear(heads * dim, width, rngs=rngs, **linear)
+            self.q_norm, self.k_norm = norm(dim, True, rngs), norm(dim, True, rngs)
+            self.rotary = flf.RotaryEmbedding(1e6) if fused else None
+
+        def __call__(self, x):
+            b, s = x.shape[:2]
+            q, k, v = (p(x).reshape(b, s, n, dim) for p, n in
+                       ((self.q_proj, heads), (self.k_proj, kv_heads), (self.v_proj, kv_heads)))
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = (self.rotary(q), self.rotary(k)) if fused else (rotate(q), rotate(k))
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+            return self.o_proj(y.reshape(b, s, heads * dim))
+
+    class MoE(nnx.Module):
+        def __init__(self, rngs):
+            self.router = nnx.Linear(width, experts, rngs=rngs, **linear)
+            self.experts = flf.MoEExperts(width, ffn, experts, dtype=bf16, param_dtype=bf16,
+                                          gemm=gemm, rngs=rngs)
+
+        def __call__(self, x):
+            shape = x.shape
+            x = x.reshape(-1, width)
+            probs = jax.nn.softmax(self.router(x).astype(jnp.float32), -1)
+            weights, index = jax.lax.top_k(probs, top_k)
+            weights = (weights / weights.sum(-1, keepdims=True)).astype(bf16)
+            if fused:
+                return self.experts(x, index, weights).reshape(shape)
+            return experts_reference(x, index, weights, self.experts.gate_up_proj[...],
+                                     self.experts.down_proj[...]).reshape(shape)
+
+    class Block(nnx.Module):
+        def __init__(self, first, rngs):
+            self.attn_norm, self.attn = norm(width, first, rngs), Attention(rngs)
+            self.mlp_norm, self.mlp = norm(width, False, rngs), MoE(rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, width, dtype=bf16, param_dtype=bf16, rngs=rngs)
+            self.layers = getattr(nnx, "List", list)([Block(i == 0, rngs)
+                                                      for i in range(blocks)])
+            self.final_norm = norm(width, False, rngs)
+            if fused:
+                self.head = flf.LinearCrossEntropy(width, vocab, dtype=bf16, param_dtype=bf16,
+                                                   rngs=rngs)
+            else:
+                self.head = nnx.Module()
+                self.head.kernel = nnx.Param(nnx.initializers.lecun_normal()(
+                    rngs.params(), (vocab, width), bf16))
+
+        def __call__(self, ids, labels):
+            h = self.embed(ids)
+            if not fused:
+                for layer in self.layers:
+                    h = h + layer.attn(layer.attn_norm(h))
+                    h = h + layer.mlp(layer.mlp_norm(h))
+                logits = self.final_norm(h) @ self.head.kernel[...].T
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits.astype(jnp.float32), labels).mean()
+            y = self.layers[0].attn_norm(h)
+            for i, layer in enumerate(self.layers):
+                y, h = layer.mlp_norm(layer.attn(y), h)
+                after = self.layers[i + 1].attn_norm if i + 1 < blocks else self.final_norm
+                y, h = after(layer.mlp(y), h)
+            return self.head(y, labels)
+
+    return Model(nnx.Rngs(seed))
 
 
 def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: int, seq: int,
@@ -137,22 +248,32 @@ def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=
     import jax
     import numpy as np
 
-    config = CONFIGS["tiny" if tiny else name]
+    moe = name in MOE_CONFIGS
+    config = (MOE_CONFIGS if moe else CONFIGS)["tiny" if tiny else name]
     rng = np.random.default_rng(0)
     ids = rng.integers(0, config["vocab"], (batch, config["seq"]), np.int32)
     labels = rng.integers(0, config["vocab"], ids.shape, np.int32)
     first, times, temp = {}, {}, {}
+    variants = {"unfused": dict(fused=False), "fused": dict(fused=True)}
+    if moe:
+        variants["fused, GEMMs on ragged_dot"] = dict(fused=True, gemm="framework")
     # One model at a time: two with their AdamW states and the unfused step's logits do not
     # fit an 80 GB device at vocabulary 128256, so the rows are sequential, not A/B rounds.
-    for key in ("unfused", "fused"):
-        model = build(**config, fused=key == "fused")
+    for key, options in variants.items():
+        model = (build_moe if moe else build)(**config, **options)
         first[key] = float(model(ids, labels))
         step, state = _train_step(model)
         del model
-        temp[key] = step.lower(state, ids, labels).compile().memory_analysis() \
-            .temp_size_in_bytes / 2 ** 20
-        state, loss = step(state, ids, labels)  # compile, warm
-        loss.block_until_ready()
+        try:
+            temp[key] = step.lower(state, ids, labels).compile().memory_analysis() \
+                .temp_size_in_bytes / 2 ** 20
+            state, loss = step(state, ids, labels)  # compile, warm
+            loss.block_until_ready()
+        except jax.errors.JaxRuntimeError as e:  # RESOURCE_EXHAUSTED: the row says so
+            log(f"{key}: does not run here ({str(e).splitlines()[0][:160]})")
+            times[key], temp[key] = [float("nan")], float("nan")
+            del state, step
+            continue
         times[key] = []
         for _ in range(rounds):
             start = time.perf_counter()
@@ -161,13 +282,18 @@ def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=
             loss.block_until_ready()
             times[key].append(1e3 * (time.perf_counter() - start) / steps)
         del state, step
-    diff = abs(first["fused"] - first["unfused"]) / abs(first["unfused"])
-    u, f = (statistics.median(times[k]) for k in ("unfused", "fused"))
-    row = (f"{'flax ' + name + ('-tiny' if tiny else ''):<22}{batch:>6} {'bf16/f32 params':<16}"
-           f"{u:>10.2f}{f:>10.2f}{u / f:>8.2f}x{temp['unfused']:>12.0f}{temp['fused']:>10.0f}"
-           f"{diff:>12.1e}")
-    log(row)
-    return row
+    precision = "bf16 params" if moe else "bf16/f32 params"
+    rows = []
+    for key in list(variants)[1:]:
+        diff = abs(first[key] - first["unfused"]) / abs(first["unfused"])
+        u, f = (statistics.median(times[k]) for k in ("unfused", key))
+        label = "flax " + name + ("-tiny" if tiny else "") + ("" if key == "fused" else " (b)")
+        rows.append(f"{label:<22}{batch:>6} {precision:<16}{u:>10.2f}{f:>10.2f}{u / f:>8.2f}x"
+                    f"{temp['unfused']:>12.0f}{temp[key]:>10.0f}{diff:>12.1e}")
+        log(rows[-1])
+    if moe:
+        log("(b): fused, the experts' GEMMs on jax.lax.ragged_dot")
+    return "\n".join(rows)
 
 
 HEADER = (f"{'model':<22}{'batch':>6} {'precision':<16}{'unfused':>10}{'fused':>10}"

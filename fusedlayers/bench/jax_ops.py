@@ -69,9 +69,16 @@ def time_rounds(fns: dict, inputs, rounds: int, reps: int, iters: int) -> dict:
     after each loop's compilation and a warm-up run; `inputs` a list, or one list per name."""
     loops = {name: _looped(fn, inputs[name] if isinstance(inputs, dict) else inputs, iters)
              for name, fn in fns.items()}
-    for loop in loops.values():
-        jax.block_until_ready(loop())
-    times = {name: [] for name in fns}
+    for name, loop in list(loops.items()):
+        try:
+            jax.block_until_ready(loop())
+        except jax.errors.JaxRuntimeError as e:  # a row that does not fit is left out, said so
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            print(f"{name}: does not fit this device ({str(e).splitlines()[0][:120]})",
+                  flush=True)
+            del loops[name]
+    times = {name: [] for name in loops}
     for _ in range(rounds):
         for name, loop in loops.items():
             times[name].append(_ms(loop, reps, iters))

@@ -1,5 +1,6 @@
 """MoEExperts for Flax NNX: the routed experts of a mixture-of-experts block, run by
-fusedlayers.jax.moe_experts (moe_permute, jax.lax.ragged_dot, swiglu / geglu, moe_unpermute)."""
+fusedlayers.jax.moe_experts (moe_permute, the grouped GEMMs: fusedlayers' grouped_gemm on CUDA's
+Hopper kernels, else jax.lax.ragged_dot; swiglu / geglu, moe_unpermute)."""
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +22,12 @@ class MoEExperts(nnx.Module):
 
     __call__(hidden_states (tokens, in_features), top_k_index (tokens, top_k) int32/int64,
     top_k_weights (tokens, top_k)) -> (tokens, in_features). dtype: the computation's (default
-    the parameters'); param_dtype the parameters'. Raises ValueError for a non-positive size or
-    another activation."""
+    the parameters'); param_dtype the parameters'; gemm: the grouped GEMMs
+    (fusedlayers.jax.moe_experts' gemm: None picks). Raises ValueError for a non-positive size
+    or another activation."""
 
     def __init__(self, in_features: int, ffn_dim: int, num_experts: int,
-                 activation: str = "silu", *, dtype=None, param_dtype=jnp.float32,
+                 activation: str = "silu", *, dtype=None, param_dtype=jnp.float32, gemm=None,
                  kernel_init=nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2,
                                                             batch_axis=(0,)),
                  rngs: nnx.Rngs):
@@ -36,7 +38,7 @@ class MoEExperts(nnx.Module):
         if activation not in _ACTIVATIONS:
             raise ValueError(f"MoEExperts: activation must be one of {', '.join(_ACTIVATIONS)}, "
                              f"got {activation!r}")
-        self.activation, self.dtype = activation, dtype
+        self.activation, self.dtype, self.gemm = activation, dtype, gemm
         key = rngs.params()
         k1, k2 = jax.random.split(key)
         self.gate_up_proj = nnx.Param(kernel_init(k1, (num_experts, 2 * ffn_dim, in_features),
@@ -48,4 +50,5 @@ class MoEExperts(nnx.Module):
         dtype = self.dtype or self.gate_up_proj.value.dtype
         return moe_experts(jnp.asarray(hidden_states, dtype), top_k_index, top_k_weights,
                            self.gate_up_proj.value.astype(dtype),
-                           self.down_proj.value.astype(dtype), activation=self.activation)
+                           self.down_proj.value.astype(dtype), activation=self.activation,
+                           gemm=self.gemm)

@@ -53,9 +53,14 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
     if cuda:
         libdir = Path(_sources.find_cuda_home()) / "lib64"
         libs = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", *libs]
-    return _sources.build_library(output, _sources.binding_sources("xla", cuda=cuda, gemm=cuda),
+    return _sources.build_library(output, _sources_of(cuda),
                            [f"-I{jax.ffi.include_dir()}", "-std=c++17"], libs, cuda, verbose,
                            key=f"jax {jax.__version__}")
+
+
+def _sources_of(cuda: bool) -> list[Path]:
+    """With CUDA: the cuBLASLt handlers and, for Hopper, the grouped GEMM's CUTLASS kernels."""
+    return _sources.binding_sources("xla", cuda=cuda, gemm=cuda, sm90=_sources.sm90_wanted(cuda))
 
 
 def _jit_library() -> Path:
@@ -64,7 +69,7 @@ def _jit_library() -> Path:
     cuda, _ = cuda_build()
     verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
     return _sources.jit_library("jax_ops", f"{jax.__version__} cuda={cuda}",
-                                _sources.binding_sources("xla", cuda=cuda, gemm=cuda),
+                                _sources_of(cuda),
                                 lambda path: build(path, verbose, cuda))
 
 

@@ -102,6 +102,26 @@ def call(target: str, results, *operands, roles: str, rows: int, workspace=None,
     return out[0] if single else out
 
 
+def same_varying(*operands) -> list:
+    """The operands, each cast inside shard_map to vary over every axis any of them varies over
+    (a custom_vjp's operands then all vary alike: the cast of a replicated parameter is what
+    autodiff transposes into the sum of its gradient over the devices)."""
+    varying = set().union(*map(_varying, operands))
+    return [o if o is None or not (varying - _varying(o)) else
+            jax.lax.pcast(o, tuple(sorted(varying - _varying(o))), to="varying")
+            for o in operands]
+
+
+def plain_call(target: str, results, *operands, **attributes):
+    """The custom call fusedlayers_<target> as one whole op (not partitioned: a sharded jit
+    hands it whole arrays; not batched): jax.ffi.ffi_call, its results typed as varying over
+    the axes its operands vary over inside shard_map, so it runs there on each device's part."""
+    out = jax.ffi.ffi_call(f"fusedlayers_{target}", results)(*operands, **attributes)
+    varying = set().union(*map(_varying, operands))
+    return jax.tree.map(lambda o: o if not (varying - _varying(o)) else jax.lax.pcast(
+        o, tuple(sorted(varying - _varying(o))), to="varying"), out)
+
+
 class _RowSpec:
     """One row-wise custom call: its local form, its sharding and its batching."""
 

@@ -1,5 +1,6 @@
-"""The experts of a mixture-of-experts layer on JAX arrays: moe_permute, jax.lax.ragged_dot
-(XLA's grouped GEMM), the gated activation (fusedlayers' swiglu / geglu), ragged_dot and
+"""The experts of a mixture-of-experts layer on JAX arrays: moe_permute, a grouped GEMM
+(fusedlayers' grouped_gemm on CUDA where its Hopper kernels run, else XLA's
+jax.lax.ragged_dot), the gated activation (fusedlayers' swiglu / geglu), a grouped GEMM and
 moe_unpermute. Same contract as fusedlayers.torch.moe_experts."""
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 
 from ..bench.case import Case
 from .geglu import geglu
+from .grouped_gemm import grouped_linear
 from .moe_permute import bench_routing, moe_permute
 from .moe_unpermute import moe_unpermute
 from .swiglu import swiglu
@@ -18,7 +20,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                 gate_up_proj_bias=None, down_proj_bias=None, transposed: bool = False,
-                activation: str = "silu", gate=None) -> jax.Array:
+                activation: str = "silu", gate=None, gemm: str | None = None) -> jax.Array:
     """The routed experts of a mixture-of-experts layer (Shazeer et al. 2017, arXiv:1701.06538)
     with transformers' experts arguments, as fusedlayers.torch.moe_experts:
     hidden_states (tokens, hidden); top_k_index (tokens, top_k) int32/int64; top_k_weights
@@ -26,23 +28,23 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     ((num_experts, hidden, 2 * ffn) transposed), down_proj (num_experts, hidden, ffn)
     ((num_experts, ffn, hidden) transposed); biases (num_experts, 2 * ffn), (num_experts,
     hidden); activation 'silu', 'gelu' or 'gelu_tanh', or `gate`, a function of the
-    up-projection's (tokens * top_k, 2 * ffn) output. The GEMMs are jax.lax.ragged_dot over the
-    experts' row groups. Returns (tokens, hidden) in hidden_states' dtype. Raises ValueError
-    for an unknown activation and what moe_permute, ragged_dot and moe_unpermute raise."""
+    up-projection's (tokens * top_k, 2 * ffn) output. The GEMMs over the experts' row groups
+    (gemm): None picks fusedlayers' grouped_gemm on CUDA where its Hopper kernels take them
+    (sm90, bfloat16, widths multiples of 8), else jax.lax.ragged_dot; "fusedlayers" or
+    "framework" forces one. Returns (tokens, hidden) in hidden_states' dtype. Raises ValueError
+    for an unknown activation or gemm and what moe_permute, the GEMMs and moe_unpermute
+    raise."""
     if gate is None and activation not in ACTIVATIONS:
         raise ValueError(f"fusedlayers.moe_experts: activation must be one of "
                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
     hidden_states = jnp.asarray(hidden_states)
     num_experts = gate_up_proj.shape[0]
     xs, row_index, offsets = moe_permute(hidden_states, top_k_index, num_experts)
-    group_sizes = jnp.diff(offsets, prepend=0)
     expert = None
     if gate_up_proj_bias is not None or down_proj_bias is not None:
         rows = jnp.arange(xs.shape[0], dtype=jnp.int32)
         expert = jnp.minimum(jnp.searchsorted(offsets, rows, side="right"), num_experts - 1)
-    w1 = gate_up_proj if transposed else jnp.swapaxes(gate_up_proj, 1, 2)
-    w2 = down_proj if transposed else jnp.swapaxes(down_proj, 1, 2)
-    h = jax.lax.ragged_dot(xs.astype(w1.dtype), w1, group_sizes)
+    h = grouped_linear(xs.astype(gate_up_proj.dtype), gate_up_proj, offsets, transposed, gemm)
     if gate_up_proj_bias is not None:
         h = h + gate_up_proj_bias[expert]
     if gate is not None:
@@ -52,7 +54,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         g, u = h[:, :ffn], h[:, ffn:]
         a = swiglu(g, u) if activation == "silu" else \
             geglu(g, u, "tanh" if activation == "gelu_tanh" else "none")
-    y = jax.lax.ragged_dot(a, w2, group_sizes)
+    y = grouped_linear(a.astype(down_proj.dtype), down_proj, offsets, transposed, gemm)
     if down_proj_bias is not None:
         y = y + down_proj_bias[expert]
     weights = jnp.asarray(top_k_weights)

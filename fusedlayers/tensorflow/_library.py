@@ -45,7 +45,8 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
               *tf.sysconfig.get_compile_flags(), f"-I{include / 'external/highwayhash'}",
               f"-I{include / 'external/farmhash_archive/src'}", "-DFUSEDLAYERS_XLA_TF",
               "-std=c++17", *(["-DGOOGLE_CUDA=1"] if cuda else [])]
-    return _sources.build_library(output, _sources.tensorflow_sources(cuda=cuda), cflags,
+    sources = _sources.tensorflow_sources(cuda=cuda, sm90=_sources.sm90_wanted(cuda))
+    return _sources.build_library(output, sources, cflags,
                            [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"], cuda,
                            verbose, key=f"tensorflow {tf.__version__}")
 
@@ -57,7 +58,8 @@ def _jit_library() -> Path:
     cuda, _ = cuda_build()
     verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
     return _sources.jit_library("tf_ops", f"{tf.__version__} cuda={cuda}",
-                                _sources.tensorflow_sources(cuda=cuda),
+                                _sources.tensorflow_sources(cuda=cuda,
+                                                            sm90=_sources.sm90_wanted(cuda)),
                                 lambda path: build(path, verbose, cuda))
 
 

@@ -1,12 +1,14 @@
-"""The experts of a mixture-of-experts layer on TensorFlow tensors: moe_permute, a matmul per
-expert over its rows (TensorFlow has no grouped GEMM), the gated activation (fusedlayers'
-swiglu / geglu) and moe_unpermute. Same contract as fusedlayers.torch.moe_experts."""
+"""The experts of a mixture-of-experts layer on TensorFlow tensors: moe_permute, a grouped GEMM
+(fusedlayers' grouped_gemm on a GPU where its Hopper kernels run, else a matmul per expert over
+its rows: TensorFlow has no grouped GEMM), the gated activation (fusedlayers' swiglu / geglu) and
+moe_unpermute. Same contract as fusedlayers.torch.moe_experts."""
 
 import tensorflow as tf
 
 from ..bench.case import Case
 from . import _op
 from .geglu import geglu
+from .grouped_gemm import grouped_gemm, hopper
 from .moe_permute import bench_routing, moe_permute
 from .moe_unpermute import moe_unpermute
 from .swiglu import swiglu
@@ -14,19 +16,25 @@ from .swiglu import swiglu
 __all__ = ["moe_experts"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+GEMMS = ("fusedlayers", "framework")
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                 gate_up_proj_bias=None, down_proj_bias=None, transposed: bool = False,
-                activation: str = "silu", gate=None) -> tf.Tensor:
+                activation: str = "silu", gate=None, gemm: str | None = None) -> tf.Tensor:
     """The routed experts with transformers' experts arguments, as
-    fusedlayers.torch.moe_experts (shapes, layouts, activation, gate): moe_permute, each
-    expert's matmuls over its row range (tf.split by the offsets), the gated activation and
-    moe_unpermute. Returns (tokens, hidden) in hidden_states' dtype. Raises ValueError for an
-    unknown activation and what the ops raise (InvalidArgumentError)."""
+    fusedlayers.torch.moe_experts (shapes, layouts, activation, gate): moe_permute, the grouped
+    GEMMs, the gated activation and moe_unpermute. gemm: "fusedlayers" (grouped_gemm),
+    "framework" (each expert's matmul over its row range, tf.split by the offsets) or None:
+    grouped_gemm where a visible GPU runs it on its Hopper kernels (csrc's rule), else the
+    matmuls. Returns (tokens, hidden) in hidden_states' dtype. Raises ValueError for an
+    unknown activation or gemm and what the ops raise (InvalidArgumentError)."""
     if gate is None and activation not in ACTIVATIONS:
         raise ValueError(f"fusedlayers.moe_experts: activation must be one of "
                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
+    if gemm is not None and gemm not in GEMMS:
+        raise ValueError(f"fusedlayers.moe_experts: gemm must be one of {', '.join(GEMMS)} or "
+                         f"None, got {gemm!r}")
     hidden_states = tf.convert_to_tensor(hidden_states)
     num_experts = int(gate_up_proj.shape[0])
     xs, row_index, offsets = moe_permute(hidden_states, top_k_index, num_experts)
@@ -34,7 +42,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     if gate_up_proj_bias is not None or down_proj_bias is not None:
         rows = tf.range(tf.shape(xs)[0], dtype=tf.int32)
         expert = tf.minimum(tf.searchsorted(offsets, rows, side="right"), num_experts - 1)
-    h = grouped_matmul(tf.cast(xs, gate_up_proj.dtype), gate_up_proj, offsets, transposed)
+    h = grouped_linear(tf.cast(xs, gate_up_proj.dtype), gate_up_proj, offsets, transposed, gemm)
     if gate_up_proj_bias is not None:
         h = h + tf.gather(gate_up_proj_bias, expert)
     if gate is not None:
@@ -44,7 +52,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         g, u = h[:, :ffn], h[:, ffn:]
         a = swiglu(g, u) if activation == "silu" else \
             geglu(g, u, "tanh" if activation == "gelu_tanh" else "none")
-    y = grouped_matmul(a, down_proj, offsets, transposed)
+    y = grouped_linear(a, down_proj, offsets, transposed, gemm)
     if down_proj_bias is not None:
         y = y + tf.gather(down_proj_bias, expert)
     weights = tf.convert_to_tensor(top_k_weights)
@@ -52,6 +60,17 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         weights = tf.cast(weights, y.dtype)
     return tf.cast(moe_unpermute(y, top_k_index, row_index, weights, num_experts),
                    hidden_states.dtype)
+
+
+def grouped_linear(x, weight, offsets, transposed: bool, gemm: str | None):
+    """The experts' GEMM: grouped_gemm or grouped_matmul (moe_experts' gemm)."""
+    if gemm is None:
+        n = weight.shape[2] if transposed else weight.shape[1]
+        gemm = "fusedlayers" if x.dtype == weight.dtype and hopper(x, n, weight.shape[0]) \
+            else "framework"
+    if gemm == "fusedlayers":
+        return grouped_gemm(x, weight, offsets, transposed=transposed)
+    return grouped_matmul(x, weight, offsets, transposed)
 
 
 def grouped_matmul(x, weight, offsets, transposed: bool):

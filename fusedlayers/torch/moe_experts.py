@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..bench.case import Case
 from .geglu import geglu_op
+from .grouped_gemm import grouped_gemm_op
 from .moe_permute import bench_routing, moe_permute_op
 from .moe_unpermute import moe_unpermute_op
 from .swiglu import swiglu_op
@@ -20,13 +21,17 @@ from .swiglu import swiglu_op
 __all__ = ["moe_experts"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+GEMMS = ("framework", "fusedlayers")
+# moe_experts' grouped GEMMs where its gemm is None: whichever the bench measures faster
+# (--ops grouped_gemm moe_experts: torch's grouped_mm beside fusedlayers.grouped_gemm).
+GEMM_DEFAULT = "framework"
 
 
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                 *, gate_up_proj_bias: torch.Tensor | None = None,
                 down_proj_bias: torch.Tensor | None = None, transposed: bool = False,
-                activation: str = "silu", gate=None) -> torch.Tensor:
+                activation: str = "silu", gate=None, gemm: str | None = None) -> torch.Tensor:
     """The routed experts of a mixture-of-experts layer (Shazeer et al. 2017, arXiv:1701.06538),
     with the arguments and result of transformers' experts modules (Qwen3-MoE, Mixtral, OLMoE,
     DeepSeek-V3, gpt-oss, ...):
@@ -42,14 +47,20 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     ((num_experts, ffn, hidden) transposed); biases (num_experts, 2 * ffn) and (num_experts,
     hidden), added after each GEMM. activation: 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU);
     gate: instead, a function of the up-projection's (tokens * top_k, 2 * ffn) output returning
-    (tokens * top_k, ffn) (gpt-oss's clamped, interleaved gate). Returns (tokens, hidden) in the
-    hidden states' dtype, differentiable in the hidden states, weights and parameters; the same
-    bits on every run where the GEMMs give them. Raises ValueError for an unknown activation and
-    what moe_permute, the GEMMs and moe_unpermute raise.
+    (tokens * top_k, ffn) (gpt-oss's clamped, interleaved gate). gemm: the grouped GEMMs,
+    "framework" (torch's grouped_mm, or a loop over the experts where it does not take the
+    operands) or "fusedlayers" (fusedlayers.grouped_gemm); None: GEMM_DEFAULT. Returns (tokens,
+    hidden) in the hidden states' dtype, differentiable in the hidden states, weights and
+    parameters; the same bits on every run where the GEMMs give them. Raises ValueError for an
+    unknown activation or gemm and what moe_permute, the GEMMs and moe_unpermute raise.
     """
     if gate is None and activation not in ACTIVATIONS:
         raise ValueError(f"fusedlayers.moe_experts: activation must be one of "
                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
+    if gemm is not None and gemm not in GEMMS:
+        raise ValueError(f"fusedlayers.moe_experts: gemm must be one of {', '.join(GEMMS)} or "
+                         f"None, got {gemm!r}")
+    gemm = gemm or GEMM_DEFAULT
     num_experts = gate_up_proj.shape[0]
     out_dtype = hidden_states.dtype
     dtype = _autocast_dtype(hidden_states, gate_up_proj)
@@ -63,7 +74,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     if gate_up_proj_bias is not None or down_proj_bias is not None:
         rows = torch.arange(xs.shape[0], device=xs.device, dtype=torch.int32)
         expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=num_experts - 1)
-    h = grouped_linear(xs.to(gate_up_proj.dtype), gate_up_proj, offsets, transposed)
+    h = grouped_linear(xs.to(gate_up_proj.dtype), gate_up_proj, offsets, transposed, gemm)
     if gate_up_proj_bias is not None:
         h = h + gate_up_proj_bias[expert]
     if gate is not None:
@@ -73,7 +84,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         g, u = h[:, :ffn], h[:, ffn:]
         a = swiglu_op(g, u) if activation == "silu" else \
             geglu_op(g, u, "tanh" if activation == "gelu_tanh" else "none")
-    y = grouped_linear(a, down_proj, offsets, transposed)
+    y = grouped_linear(a, down_proj, offsets, transposed, gemm)
     if down_proj_bias is not None:
         y = y + down_proj_bias[expert]
     weights = top_k_weights
@@ -96,11 +107,13 @@ def _autocast_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                   transposed: bool) -> torch.Tensor:
+                   transposed: bool, gemm: str = "framework") -> torch.Tensor:
     """x (rows, in) times each expert's weight over its rows (offsets: their ends): weight
     (num_experts, out, in), or (num_experts, in, out) when transposed. Rows past the last expert's
-    are not computed (grouped_mm leaves them as they are; the loop gives zeros): moe_unpermute
-    never reads them."""
+    are not computed (grouped_mm leaves them as they are; the loop and grouped_gemm give zeros):
+    moe_unpermute never reads them."""
+    if gemm == "fusedlayers" and x.dtype == weight.dtype:
+        return grouped_gemm_op(x, weight, offsets, transposed)
     w = weight if transposed else weight.transpose(-2, -1)  # (num_experts, in, out)
     if _grouped_mm_fits(x, w):
         return F.grouped_mm(x, w, offs=offsets)
@@ -282,8 +295,11 @@ def bench_case(shape, dtype: torch.dtype, device: torch.device, peers: bool = Fa
     xs, _, offsets = moe_permute_op(x.detach(), index, experts)
     h = torch.randn(tokens * top_k, ffn, device=device, dtype=dtype)
     flops = 6 * tokens * top_k * hidden * ffn
+    other = "fusedlayers" if GEMM_DEFAULT == "framework" else "framework"
     return Case(lambda: moe_experts(x, index, weights, w1, w2),
                 lambda: grouped_mm_experts_forward(module, x, index, weights), [x, weights, w1, w2],
                 {"fwd": flops, "fwd+bwd": 3 * flops},
+                variants={f"gemm={other}": lambda: moe_experts(x, index, weights, w1, w2,
+                                                               gemm=other)},
                 fwd_only={"gemm": lambda: (grouped_linear(xs, w1, offsets, False),
                                            grouped_linear(h, w2, offsets, False))})
