@@ -97,5 +97,9 @@ void grouped_gemm_forward_cuda(const GroupedGemmForward& a, const GroupedGemmSha
 void grouped_gemm_backward_cuda(const GroupedGemmBackward& a, const GroupedGemmShape& s,
                                 cudaStream_t stream);
 size_t grouped_gemm_workspace_size_cuda(const GroupedGemmShape& s, DType dtype);
+// Copies `groups` offsets from host memory to `device` on `stream`, for a binding whose
+// framework keeps int32 inputs of GPU ops on the host (TensorFlow).
+void grouped_gemm_offsets_to_device(int32_t* device, const int32_t* host, int64_t groups,
+                                    cudaStream_t stream);
 
 }  // namespace fusedlayers

@@ -187,6 +187,13 @@ size_t grouped_gemm_workspace_size_cuda(const GroupedGemmShape& s, DType dtype) 
   return 0;
 }
 
+void grouped_gemm_offsets_to_device(int32_t* device, const int32_t* host, int64_t groups,
+                                    cudaStream_t stream) {
+  cuda::check(cudaMemcpyAsync(device, host, groups * sizeof(int32_t), cudaMemcpyHostToDevice,
+                              stream),
+              "grouped_gemm: copying offsets to the device");
+}
+
 void grouped_gemm_forward_cuda(const GroupedGemmForward& a, const GroupedGemmShape& s,
                                cudaStream_t stream) {
   if (s.rows == 0 || s.n == 0) return;

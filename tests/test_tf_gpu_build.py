@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.skipif(_sources.find_cuda_home() is None, reason="need
 
 OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm",
        "FusedlayersLayerNormGrad", "FusedlayersLinearGeluEpilogue", "FusedlayersLinearGeluEpilogueGrad",
-       "FusedlayersLinearCrossEntropyChunk"]
+       "FusedlayersLinearCrossEntropyChunk", "FusedlayersGroupedGemm", "FusedlayersGroupedGemmGrad"]
 
 
 @pytest.fixture(scope="module")

@@ -52,14 +52,16 @@ bool offsets_ref(OpKernelContext* ctx, const Tensor& host, Tensor* temp, IndexRe
   *out = {host.tensor_data().data(), IndexType::kInt32, {}};
 #if GOOGLE_CUDA
   if constexpr (kGpu) {
-    if (!allocate_workspace(ctx, host.TotalBytes(), temp) && host.TotalBytes()) return false;
-    if (host.TotalBytes() &&
-        cudaMemcpyAsync(mutable_ptr(temp), host.tensor_data().data(), host.TotalBytes(),
-                        cudaMemcpyHostToDevice, gpu_stream(ctx)) != cudaSuccess) {
-      ctx->CtxFailure(absl::InternalError("fusedlayers.grouped_gemm: copying offsets failed"));
+    const int64_t groups = host.NumElements();
+    if (!groups) return true;
+    if (!allocate_workspace(ctx, host.TotalBytes(), temp)) return false;
+    int32_t* device = static_cast<int32_t*>(mutable_ptr(temp));
+    if (!call_csrc(ctx, [&] {
+          grouped_gemm_offsets_to_device(device, static_cast<const int32_t*>(out->data), groups,
+                                         gpu_stream(ctx));
+        }))
       return false;
-    }
-    out->data = host.TotalBytes() ? mutable_ptr(temp) : nullptr;
+    out->data = device;
   }
 #else
   (void)ctx, (void)temp;
