@@ -36,13 +36,48 @@ MOE_CONFIGS = {"qwen3-moe": dict(blocks=8, width=2048, heads=32, kv_heads=4, hea
                             top_k=2, ffn=32, vocab=1000, seq=64)}
 
 
+def _rotate(x, dim: int, theta: float):
+    """Llama's rotate_half rotation of x (batch, seq, heads, dim) in jnp (the unfused rows)."""
+    import jax.numpy as jnp
+
+    inv = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    freq = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv
+    angles = jnp.concatenate([freq, freq], -1)[None, :, None]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    return x * cos + jnp.concatenate([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
+
+
+def _loss(model, ids, labels, fused: bool):
+    """The models' mean next-token loss: pre-norm blocks, the final norm and the head; unfused
+    as the residual adds, the logits and optax's loss, fused as each add in the next norm and
+    the fused head."""
+    import jax.numpy as jnp
+    import optax
+
+    h = model.embed(ids)
+    if not fused:
+        for layer in model.layers:
+            h = h + layer.attn(layer.attn_norm(h))
+            h = h + layer.mlp(layer.mlp_norm(h))
+        y = model.final_norm(h)
+        logits = y @ model.head.kernel[...].astype(y.dtype).T
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                               labels).mean()
+    layers = list(model.layers)
+    y = layers[0].attn_norm(h)
+    for i, layer in enumerate(layers):
+        y, h = layer.mlp_norm(layer.attn(y), h)
+        after = layers[i + 1].attn_norm if i + 1 < len(layers) else model.final_norm
+        y, h = after(layer.mlp(y), h)
+    return model.head(y, labels)
+
+
 def build_moe(blocks: int, width: int, heads: int, kv_heads: int, head_dim: int, experts: int,
               top_k: int, ffn: int, vocab: int, seq: int, fused: bool, gemm=None, seed: int = 0):
     """The Qwen3-MoE-shaped model (as build's), bfloat16 parameters; gemm: the fused experts'
     GEMMs (fusedlayers.jax.moe_experts' gemm)."""
     import jax
     import jax.numpy as jnp
-    import optax
     from flax import nnx
 
     import fusedlayers.flax as flf
@@ -50,13 +85,6 @@ def build_moe(blocks: int, width: int, heads: int, kv_heads: int, head_dim: int,
     bf16, dim = jnp.bfloat16, head_dim
     attention = "cudnn" if jax.devices()[0].platform == "gpu" else None
     linear = dict(use_bias=False, dtype=bf16, param_dtype=bf16)
-
-    def rotate(x):
-        inv = 1.0 / 1e6 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-        freq = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv
-        angles = jnp.concatenate([freq, freq], -1)[None, :, None]
-        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-        return x * cos + jnp.concatenate([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
 
     def norm(features, first, rngs):
         cls = nnx.RMSNorm if not fused else flf.RMSNorm if first else flf.AddRMSNorm
@@ -76,7 +104,8 @@ def build_moe(blocks: int, width: int, heads: int, kv_heads: int, head_dim: int,
             q, k, v = (p(x).reshape(b, s, n, dim) for p, n in
                        ((self.q_proj, heads), (self.k_proj, kv_heads), (self.v_proj, kv_heads)))
             q, k = self.q_norm(q), self.k_norm(k)
-            q, k = (self.rotary(q), self.rotary(k)) if fused else (rotate(q), rotate(k))
+            q, k = (self.rotary(q), self.rotary(k)) if fused else \
+                (_rotate(q, dim, 1e6), _rotate(k, dim, 1e6))
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
             return self.o_proj(y.reshape(b, s, heads * dim))
 
@@ -117,20 +146,7 @@ def build_moe(blocks: int, width: int, heads: int, kv_heads: int, head_dim: int,
                     rngs.params(), (vocab, width), bf16))
 
         def __call__(self, ids, labels):
-            h = self.embed(ids)
-            if not fused:
-                for layer in self.layers:
-                    h = h + layer.attn(layer.attn_norm(h))
-                    h = h + layer.mlp(layer.mlp_norm(h))
-                logits = self.final_norm(h) @ self.head.kernel[...].T
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits.astype(jnp.float32), labels).mean()
-            y = self.layers[0].attn_norm(h)
-            for i, layer in enumerate(self.layers):
-                y, h = layer.mlp_norm(layer.attn(y), h)
-                after = self.layers[i + 1].attn_norm if i + 1 < blocks else self.final_norm
-                y, h = after(layer.mlp(y), h)
-            return self.head(y, labels)
+            return _loss(self, ids, labels, fused)
 
     return Model(nnx.Rngs(seed))
 
@@ -141,7 +157,6 @@ def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: i
     drawn from `seed` in the same order fused or not."""
     import jax
     import jax.numpy as jnp
-    import optax
     from flax import nnx
 
     import fusedlayers.flax as flf
@@ -149,13 +164,6 @@ def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: i
     # cuDNN's fused attention on GPUs (XLA's keeps every layer's probabilities for the backward)
     attention = "cudnn" if jax.devices()[0].platform == "gpu" else None
     linear = dict(use_bias=False, dtype=bf16, param_dtype=jnp.float32)
-
-    def rotate(x):  # (batch, seq, heads, dim), Llama's rotate_half
-        inv = 1.0 / 500000.0 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-        freq = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv
-        angles = jnp.concatenate([freq, freq], -1)[None, :, None]
-        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-        return x * cos + jnp.concatenate([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
 
     class Attention(nnx.Module):
         def __init__(self, rngs):
@@ -169,7 +177,8 @@ def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: i
             b, s = x.shape[:2]
             q, k, v = (p(x).reshape(b, s, n, dim) for p, n in
                        ((self.q_proj, heads), (self.k_proj, kv_heads), (self.v_proj, kv_heads)))
-            q, k = (self.rotary(q), self.rotary(k)) if fused else (rotate(q), rotate(k))
+            q, k = (self.rotary(q), self.rotary(k)) if fused else \
+                (_rotate(q, dim, 500000.0), _rotate(k, dim, 500000.0))
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
             return self.o_proj(y.reshape(b, s, heads * dim))
 
@@ -207,21 +216,7 @@ def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: i
                     rngs.params(), (vocab, width), jnp.float32))
 
         def __call__(self, ids, labels):
-            h = self.embed(ids)
-            if not fused:
-                for layer in self.layers:
-                    h = h + layer.attn(layer.attn_norm(h))
-                    h = h + layer.mlp(layer.mlp_norm(h))
-                y = self.final_norm(h)
-                logits = y @ self.head.kernel[...].astype(bf16).T
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits.astype(jnp.float32), labels).mean()
-            y = self.layers[0].attn_norm(h)
-            for i, layer in enumerate(self.layers):
-                y, h = layer.mlp_norm(layer.attn(y), h)
-                after = self.layers[i + 1].attn_norm if i + 1 < blocks else self.final_norm
-                y, h = after(layer.mlp(y), h)
-            return self.head(y, labels)
+            return _loss(self, ids, labels, fused)
 
     return Model(nnx.Rngs(seed))
 

@@ -23,7 +23,8 @@ PASSES = ("forward", "backward")
 PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # symbol suffix -> XLA platform
 # The handlers' custom-call targets are fusedlayers_<target> (*_gemm*: CUDA builds).
 # linear_cross_entropy has its chunk loop's row pass and, on CUDA, the whole loop on cuBLASLt;
-# moe_experts none (XLA's ragged dots around moe_permute's and moe_unpermute's).
+# moe_experts none (grouped_gemm's or XLA's ragged dots around moe_permute's and
+# moe_unpermute's).
 TARGETS = (*(f"{op}_{pass_}" for op in ops.NAMES if op not in ("linear_cross_entropy",
                                                                "moe_experts")
              for pass_ in PASSES),

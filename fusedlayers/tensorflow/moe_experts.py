@@ -9,6 +9,7 @@ from ..bench.case import Case
 from . import _op
 from .geglu import geglu
 from .grouped_gemm import grouped_gemm, hopper
+from .grouped_gemm import reference as grouped_matmul
 from .moe_permute import bench_routing, moe_permute
 from .moe_unpermute import moe_unpermute
 from .swiglu import swiglu
@@ -63,7 +64,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
 
 def grouped_linear(x, weight, offsets, transposed: bool, gemm: str | None):
-    """The experts' GEMM: grouped_gemm or grouped_matmul (moe_experts' gemm)."""
+    """The experts' GEMM (moe_experts' gemm): grouped_gemm, or a matmul per expert over its
+    rows (grouped_gemm's unfused form, its `reference`)."""
     if gemm is None:
         n = weight.shape[2] if transposed else weight.shape[1]
         gemm = "fusedlayers" if x.dtype == weight.dtype and hopper(x, n, weight.shape[0]) \
@@ -71,18 +73,6 @@ def grouped_linear(x, weight, offsets, transposed: bool, gemm: str | None):
     if gemm == "fusedlayers":
         return grouped_gemm(x, weight, offsets, transposed=transposed)
     return grouped_matmul(x, weight, offsets, transposed)
-
-
-def grouped_matmul(x, weight, offsets, transposed: bool):
-    """x's rows of each expert (offsets: their ends) times its weight ((num_experts, out, in),
-    or (num_experts, in, out) transposed); rows past the last expert's are zeros."""
-    num_experts = int(weight.shape[0])
-    starts = tf.concat([[0], offsets[:-1]], 0)
-    rest = tf.shape(x)[0] - offsets[-1]
-    parts = tf.split(x, tf.concat([offsets - starts, [rest]], 0), num=num_experts + 1)
-    out = [tf.matmul(parts[e], weight[e], transpose_b=not transposed) for e in range(num_experts)]
-    cols = weight.shape[2] if transposed else weight.shape[1]
-    return tf.concat(out + [tf.zeros([rest, cols], x.dtype)], 0)
 
 
 def reference(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
