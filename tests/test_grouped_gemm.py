@@ -258,15 +258,21 @@ def test_errors(framework):
             call()
 
 
-@pytest.mark.parametrize("framework", ["torch", "tensorflow", "jax"])
-def test_moe_experts_on_grouped_gemm(framework, rng):
-    """moe_experts with gemm="fusedlayers" equals the framework's GEMMs (float32, on the CPU)."""
-    tokens, hidden, ffn, experts, k = 11, 8, 6, 4, 2
+def experts_problem(rng, tokens, hidden, ffn, experts, k):
+    """float32 NumPy operands of moe_experts: hidden states, distinct top-k experts per token
+    (int32), their weights, gate_up_proj and down_proj scaled to unit-size products."""
     x = rng.normal((tokens, hidden)).astype(np.float32)
     idx = np.argsort(rng.uniform(0, 1, (tokens, experts)), 1)[:, :k].astype(np.int32)
     weights = rng.uniform(0, 1, (tokens, k)).astype(np.float32)
-    w1 = (rng.normal((experts, 2 * ffn, hidden)) / 3).astype(np.float32)
-    w2 = (rng.normal((experts, hidden, ffn)) / 3).astype(np.float32)
+    w1 = (rng.normal((experts, 2 * ffn, hidden)) / hidden ** 0.5).astype(np.float32)
+    w2 = (rng.normal((experts, hidden, ffn)) / ffn ** 0.5).astype(np.float32)
+    return x, idx, weights, w1, w2
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow", "jax"])
+def test_moe_experts_on_grouped_gemm(framework, rng):
+    """moe_experts with gemm="fusedlayers" equals the framework's GEMMs (float32, on the CPU)."""
+    x, idx, weights, w1, w2 = experts_problem(rng, 11, 8, 6, 4, 2)
     if framework == "torch":
         args = [torch.from_numpy(v) for v in (x, idx, weights, w1, w2)]
     elif framework == "tensorflow":
@@ -357,19 +363,14 @@ def test_cuda_graph_capture(rng):
 @cuda
 @pytest.mark.cuda
 def test_cuda_jax_experts_match_torch(rng):
-    """On CUDA JAX's moe_experts runs grouped_gemm (bfloat16): its result and gradients equal
-    torch's moe_experts with gemm="fusedlayers" within bfloat16 rounding."""
+    """On CUDA JAX's moe_experts runs grouped_gemm (bfloat16): its result equals torch's
+    moe_experts with gemm="fusedlayers" within bfloat16 rounding."""
     import jax
     import jax.numpy as jnp
 
     import fusedlayers.jax as flj
 
-    tokens, hidden, ffn, experts, k = 64, 128, 64, 8, 2
-    x = rng.normal((tokens, hidden)).astype(np.float32)
-    idx = np.argsort(rng.uniform(0, 1, (tokens, experts)), 1)[:, :k].astype(np.int32)
-    weights = rng.uniform(0, 1, (tokens, k)).astype(np.float32)
-    w1 = (rng.normal((experts, 2 * ffn, hidden)) / 11).astype(np.float32)
-    w2 = (rng.normal((experts, hidden, ffn)) / 8).astype(np.float32)
+    x, idx, weights, w1, w2 = experts_problem(rng, 64, 128, 64, 8, 2)
     tt = [torch.from_numpy(v).cuda() for v in (x, idx, weights, w1, w2)]
     for i in (0, 3, 4):
         tt[i] = tt[i].bfloat16()

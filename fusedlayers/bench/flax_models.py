@@ -47,6 +47,41 @@ def _rotate(x, dim: int, theta: float):
     return x * cos + jnp.concatenate([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
 
 
+def _attention(width: int, heads: int, kv_heads: int, dim: int, theta: float, fused: bool,
+               linear: dict, qk_norm=None):
+    """The models' attention class: GQA projections, per-head q/k norms where qk_norm (rngs ->
+    a norm) is given (Qwen3), the rotation (fusedlayers' RotaryEmbedding fused, _rotate not),
+    jax.nn.dot_product_attention (cuDNN's on GPUs: XLA's keeps every layer's probabilities for
+    the backward)."""
+    import jax
+    from flax import nnx
+
+    import fusedlayers.flax as flf
+    attention = "cudnn" if jax.devices()[0].platform == "gpu" else None
+
+    class Attention(nnx.Module):
+        def __init__(self, rngs):
+            self.q_proj = nnx.Linear(width, heads * dim, rngs=rngs, **linear)
+            self.k_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
+            self.v_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
+            self.o_proj = nnx.Linear(heads * dim, width, rngs=rngs, **linear)
+            if qk_norm is not None:
+                self.q_norm, self.k_norm = qk_norm(rngs), qk_norm(rngs)
+            self.rotary = flf.RotaryEmbedding(theta) if fused else None
+
+        def __call__(self, x):
+            b, s = x.shape[:2]
+            q, k, v = (p(x).reshape(b, s, n, dim) for p, n in
+                       ((self.q_proj, heads), (self.k_proj, kv_heads), (self.v_proj, kv_heads)))
+            if qk_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = (self.rotary(q), self.rotary(k)) if fused else \
+                (_rotate(q, dim, theta), _rotate(k, dim, theta))
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+            return self.o_proj(y.reshape(b, s, heads * dim))
+    return Attention
+
+
 def _loss(model, ids, labels, fused: bool):
     """The models' mean next-token loss: pre-norm blocks, the final norm and the head; unfused
     as the residual adds, the logits and optax's loss, fused as each add in the next norm and
@@ -83,31 +118,14 @@ def build_moe(blocks: int, width: int, heads: int, kv_heads: int, head_dim: int,
     import fusedlayers.flax as flf
     from fusedlayers.jax.moe_experts import reference as experts_reference
     bf16, dim = jnp.bfloat16, head_dim
-    attention = "cudnn" if jax.devices()[0].platform == "gpu" else None
     linear = dict(use_bias=False, dtype=bf16, param_dtype=bf16)
 
     def norm(features, first, rngs):
         cls = nnx.RMSNorm if not fused else flf.RMSNorm if first else flf.AddRMSNorm
         return cls(features, epsilon=1e-6, dtype=bf16, param_dtype=bf16, rngs=rngs)
 
-    class Attention(nnx.Module):
-        def __init__(self, rngs):
-            self.q_proj = nnx.Linear(width, heads * dim, rngs=rngs, **linear)
-            self.k_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
-            self.v_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
-            self.o_proj = nnx.Linear(heads * dim, width, rngs=rngs, **linear)
-            self.q_norm, self.k_norm = norm(dim, True, rngs), norm(dim, True, rngs)
-            self.rotary = flf.RotaryEmbedding(1e6) if fused else None
-
-        def __call__(self, x):
-            b, s = x.shape[:2]
-            q, k, v = (p(x).reshape(b, s, n, dim) for p, n in
-                       ((self.q_proj, heads), (self.k_proj, kv_heads), (self.v_proj, kv_heads)))
-            q, k = self.q_norm(q), self.k_norm(k)
-            q, k = (self.rotary(q), self.rotary(k)) if fused else \
-                (_rotate(q, dim, 1e6), _rotate(k, dim, 1e6))
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
-            return self.o_proj(y.reshape(b, s, heads * dim))
+    Attention = _attention(width, heads, kv_heads, dim, 1e6, fused, linear,
+                           qk_norm=lambda rngs: norm(dim, True, rngs))
 
     class MoE(nnx.Module):
         def __init__(self, rngs):
@@ -161,26 +179,9 @@ def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: i
 
     import fusedlayers.flax as flf
     bf16, dim = jnp.bfloat16, width // heads
-    # cuDNN's fused attention on GPUs (XLA's keeps every layer's probabilities for the backward)
-    attention = "cudnn" if jax.devices()[0].platform == "gpu" else None
     linear = dict(use_bias=False, dtype=bf16, param_dtype=jnp.float32)
 
-    class Attention(nnx.Module):
-        def __init__(self, rngs):
-            self.q_proj = nnx.Linear(width, heads * dim, rngs=rngs, **linear)
-            self.k_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
-            self.v_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
-            self.o_proj = nnx.Linear(heads * dim, width, rngs=rngs, **linear)
-            self.rotary = flf.RotaryEmbedding(500000) if fused else None
-
-        def __call__(self, x):
-            b, s = x.shape[:2]
-            q, k, v = (p(x).reshape(b, s, n, dim) for p, n in
-                       ((self.q_proj, heads), (self.k_proj, kv_heads), (self.v_proj, kv_heads)))
-            q, k = (self.rotary(q), self.rotary(k)) if fused else \
-                (_rotate(q, dim, 500000.0), _rotate(k, dim, 500000.0))
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
-            return self.o_proj(y.reshape(b, s, heads * dim))
+    Attention = _attention(width, heads, kv_heads, dim, 500000.0, fused, linear)
 
     class MLP(nnx.Module):
         def __init__(self, rngs):

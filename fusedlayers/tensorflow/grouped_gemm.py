@@ -3,6 +3,8 @@
 fusedlayers.torch.grouped_gemm; csrc/grouped_gemm.h checks the arguments
 (InvalidArgumentError)."""
 
+import functools
+
 import tensorflow as tf
 
 from .. import _csrc_check
@@ -26,13 +28,23 @@ def grouped_gemm(x, weight, offsets, *, transposed: bool = False) -> tf.Tensor:
 def hopper(x, n: int, groups: int) -> bool:
     """Whether a visible GPU (the first) runs x (rows, k) times (groups, n, k) weights on
     grouped_gemm's Hopper kernels (csrc's rule, fusedlayers_xla_grouped_gemm_path)."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus or x.shape.rank != 2 or x.shape[1] is None:
+    arch = _gpu_arch()
+    if arch is None or x.shape.rank != 2 or x.shape[1] is None:
         return False
+    return _csrc_check.grouped_gemm_hopper(_op.clib, x.shape[0] or 0, x.shape[1], n, groups,
+                                           _op.FLOATS.index(x.dtype), arch)
+
+
+@functools.cache
+def _gpu_arch() -> int | None:
+    """The first visible GPU's compute capability (major * 10 + minor), asked once; None
+    without one."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return None
     major, minor = tf.config.experimental.get_device_details(gpus[0]).get(
         "compute_capability", (0, 0))
-    return _csrc_check.grouped_gemm_hopper(_op.clib, x.shape[0] or 0, x.shape[1], n, groups,
-                                           _op.FLOATS.index(x.dtype), major * 10 + minor)
+    return major * 10 + minor
 
 
 @_op.register_gradient("FusedlayersGroupedGemm")
