@@ -140,16 +140,24 @@ def bench(argv: list[str]) -> int:
                                        "a GPU-bound one on CUDA, 8 on the CPU)")
     model.add_argument("--precision",
                        help="torch: autocast (bf16 compute, fp32 params), bf16 (bf16 params), "
+                            "bf16-master (bf16 params, float32 masters in fusedlayers' AdamW), "
                             "fp32 (default: autocast,bf16; qwen3-moe: bf16); Keras: its dtype "
                             "policies, mixed_bfloat16 or float32 (default: mixed_bfloat16)")
     model.add_argument("--layers", type=int,
                        help="torch: the Llamas' and the MoE's decoder layers (default: the "
                             "model's; qwen3-moe with float32 parameters: 4, as 8 do not fit 80 GB)")
     model.add_argument("--modes", default="eager,compile", help="eager and/or compile")
+    model.add_argument("--adamw", choices=("torch", "fusedlayers"), default="torch",
+                       help="torch: the optimizer, torch.optim.AdamW (fused on CUDA) or "
+                            "fusedlayers.torch.AdamW (precision bf16-master always takes it)")
     model.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
     model.add_argument("--distributed", action="store_true",
                        help="under torchrun: both models in DistributedDataParallel, one GPU per "
                             "process (NCCL; gloo on the CPU); --batch is per process")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="time one AdamW step over a model's parameters (GB/s), "
+                             "fusedlayers.torch.AdamW beside torch's; with --framework jax, "
+                             "optax's")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
         "for a 12-block MLP stack and the --model models (fusedlayers.bench.memory)")
@@ -157,6 +165,8 @@ def bench(argv: list[str]) -> int:
     memory.add_argument("--memory-models", default="mlp,bert-base,vit-base,gpt2",
                         help="comma-separated, of mlp and the --model names")
     args = parser.parse_args(argv)
+    if args.optimizer:
+        return _bench_optimizer(args)
     if args.framework == "jax" and args.model:
         if args.model not in ("bert-base", "llama", "llama-lm", "llama-lm-128k", "qwen3-moe"):
             parser.error("--framework jax --model: bert-base, llama, llama-lm, llama-lm-128k or "
@@ -232,7 +242,7 @@ def _bench_model(args, device: str, name: str) -> int:
                   tuple(args.precision.split(",")) if args.precision else None,
                   tuple(args.modes.split(",")),
                   args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed,
-                  peers=args.peers, layers=args.layers)
+                  peers=args.peers, layers=args.layers, adamw=args.adamw)
     if args.distributed:
         dist.destroy_process_group()
     if first and args.json:
@@ -262,6 +272,26 @@ def _bench_keras_model(args) -> int:
                   log=lambda line: print(line, flush=True))
     if args.json:
         km.write_json(args.json, rows, name)
+    return 0
+
+
+def _bench_optimizer(args) -> int:
+    from fusedlayers.bench import optimizer as ob
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    if args.framework == "jax":
+        import jax
+        name = f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"
+        say(f"device: {name}\n{ob.HEADER}")
+        rows = ob.run_optax(rounds=args.rounds, log=say)
+    else:
+        import torch
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        name = torch.cuda.get_device_name() if device.startswith("cuda") else \
+            f"{platform.processor() or 'cpu'} ({torch.get_num_threads()} threads)"
+        say(f"device: {name}\n{ob.HEADER}")
+        rows = ob.run(device, rounds=args.rounds, log=say)
+    if args.json:
+        ob.write_json(args.json, rows, name)
     return 0
 
 

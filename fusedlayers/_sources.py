@@ -49,6 +49,9 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 # own matmuls around csrc's passes, so the TF op library needs no cuBLAS.
 GEMM_SOURCES = {"cublaslt_cuda.cu", "linear_gelu_op.cpp", "linear_gelu_cuda.cu",
                 "linear_gelu_cublaslt.cc", "linear_cross_entropy_cublaslt.cc"}
+# The optimizer's kernels: only the torch extension binds them (JAX's and Keras' optimizers
+# stay theirs: README, "Optimizer"), so the TF and JAX libraries leave them out.
+TORCH_ONLY_SOURCES = {"adamw_op.cpp", "adamw_cpu.cpp", "adamw_cuda.cu"}
 # The grouped GEMM's Hopper kernels (CUTLASS's sm90 ptr-array grouped GEMM): compiled for sm_90a
 # alone (wgmma, TMA), with CUTLASS's headers, where the archs include 9.0 and the headers are
 # found (sm90_build); every object of that build gets SM90_DEFINE. -DNDEBUG: CUTLASS's device
@@ -170,11 +173,12 @@ def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False,
                     gemm: bool = False, sm90: bool = False) -> list[Path]:
     """The csrc kernels and the binding folder backends/<binding>: what the TF op library and
     the JAX library compile; the cuBLASLt sources (GEMM_SOURCES) only with `gemm`, the Hopper
-    kernels only with `sm90`."""
+    kernels only with `sm90`, never TORCH_ONLY_SOURCES."""
     suffix = {"tensorflow": "*.cc", "xla": "*.cc"}[binding]
     cu = cuda_sources(root, sm90) if cuda else []
     return sorted(p for p in [*root.glob("csrc/*.cpp"), *root.glob(f"backends/{binding}/{suffix}"),
-                              *cu] if gemm or p.name not in GEMM_SOURCES)
+                              *cu] if (gemm or p.name not in GEMM_SOURCES)
+                  and p.name not in TORCH_ONLY_SOURCES)
 
 
 def tensorflow_sources(root: Path = ROOT, cuda: bool = False, sm90: bool = False) -> list[Path]:

@@ -59,7 +59,9 @@ SEQ = 512
 class ModelRow:
     model: str
     batch: int
-    precision: str  # "autocast" (bf16 compute, fp32 params), "bf16" (bf16 params) or "fp32"
+    # "autocast" (bf16 compute, fp32 params), "bf16" (bf16 params), "bf16-master" (bf16 params,
+    # float32 master weights and moments in fusedlayers' AdamW) or "fp32"
+    precision: str
     mode: str  # "eager" or "compile"
     unfused_ms: float
     fused_ms: float
@@ -189,11 +191,11 @@ class _Variant:
     each step runs in."""
 
     def __init__(self, model, device, precision: str, mode: str, distributed: bool = False,
-                 around=None, opt=None):
+                 around=None, opt=None, adamw: str = "torch"):
         import contextlib
         self.around = around or contextlib.nullcontext
         self.model, self.device, self.precision = model, device, precision
-        self.opt = opt or optimizer(model, device)
+        self.opt = opt or optimizer(model, device, adamw, precision)
         if distributed:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -247,7 +249,12 @@ class _Variant:
         return torch.cuda.max_memory_allocated(self.device) / 2**20
 
 
-def optimizer(model, device):
+def optimizer(model, device, adamw: str = "torch", precision: str = "bf16"):
+    """torch's AdamW (fused on CUDA) or fusedlayers.torch.AdamW (adamw="fusedlayers", and always
+    for bf16-master: bf16 parameters with float32 masters and moments)."""
+    if adamw == "fusedlayers" or precision == "bf16-master":
+        from ..torch import AdamW
+        return AdamW(model.parameters(), lr=1e-5, master_weights=precision == "bf16-master")
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
 
@@ -266,31 +273,34 @@ def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
 def run(name: str, device: str = "cuda", batches=None, precisions=None,
         modes=("eager", "compile"), rounds: int = 5, steps: int = 4, warmup: int = 3,
         tiny: bool = False, log=print, distributed: bool = False,
-        peers: bool = False, layers: int | None = None) -> list[ModelRow]:
+        peers: bool = False, layers: int | None = None, adamw: str = "torch") -> list[ModelRow]:
     """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
     `distributed`: under an initialized torch.distributed process group, each model in DDP.
     `peers`: the Llamas and the MoE in eager mode also with Liger-Kernel's patches (_liger), in
     the same rounds, where it imports. precisions: default DEFAULT_PRECISIONS, else autocast and
-    bf16. layers: the decoder's layer count (default: the model's, or FLOAT32_LAYERS with float32
+    bf16. adamw: "torch" (torch.optim.AdamW, fused on CUDA) or "fusedlayers" (its AdamW). layers: the decoder's layer count (default: the model's, or FLOAT32_LAYERS with float32
     parameters); a count other than the model's is named in the rows."""
     from ..torch import fuse
     precisions = precisions or DEFAULT_PRECISIONS.get(name, ("autocast", "bf16"))
-    unknown = set(precisions) - {"autocast", "bf16", "fp32"} | set(modes) - {"eager", "compile"}
+    unknown = set(precisions) - {"autocast", "bf16", "bf16-master", "fp32"} | \
+        set(modes) - {"eager", "compile"} | {adamw} - {"torch", "fusedlayers"}
     if unknown:
-        raise ValueError(f"bench --model: precisions must be among autocast, bf16, fp32 and modes "
-                         f"among eager, compile; got {sorted(unknown)}")
+        raise ValueError(f"bench --model: precisions must be among autocast, bf16, bf16-master, "
+                         f"fp32, modes among eager, compile and adamw torch or fusedlayers; got "
+                         f"{sorted(unknown)}")
     dev = torch.device(device)
     if batches is None:
         batches = CPU_BATCHES if dev.type == "cpu" else DEFAULT_BATCHES[name]
     rows = []
     for precision in precisions:
-        n_layers = layers or (None if tiny or precision == "bf16" else FLOAT32_LAYERS.get(name))
+        low = precision in ("bf16", "bf16-master")
+        n_layers = layers or (None if tiny or low else FLOAT32_LAYERS.get(name))
         base, make_inputs = build(name, tiny, layers=n_layers)
         label = name if n_layers is None else f"{name} ({n_layers} layers)"
-        if precision == "bf16":
+        if low:
             base = base.to(torch.bfloat16)
         base = base.to(dev).train()
-        in_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        in_dtype = torch.bfloat16 if low else torch.float32
         for batch in batches:
             inputs = make_inputs(batch, dev, in_dtype)
             for mode in modes:
@@ -298,19 +308,20 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                 # (SHARED_WEIGHTS: one copy, one optimizer, each variant's forward on them).
                 share = name in SHARED_WEIGHTS
                 params = {id(p): p for p in base.parameters()} if share else {}
-                opt = optimizer(base, dev) if share else None
+                opt = optimizer(base, dev, adamw, precision) if share else None
                 unfused = copy.deepcopy(base, dict(params))
                 fused = fuse(copy.deepcopy(base, dict(params)))
                 diff = _first_forward_diff(unfused, fused, inputs, precision, dev)
                 torch._dynamo.reset()  # each compiled case starts from an empty cache
                 variants = {"unfused": _Variant(unfused, dev, precision, mode, distributed,
-                                                opt=opt),
-                            "fused": _Variant(fused, dev, precision, mode, distributed, opt=opt)}
+                                                opt=opt, adamw=adamw),
+                            "fused": _Variant(fused, dev, precision, mode, distributed, opt=opt,
+                                              adamw=adamw)}
                 if peers and mode == "eager" and name.startswith(("llama", "qwen")) and \
                         _liger_imports():
                     liger = copy.deepcopy(base, dict(params))
                     variants["liger"] = _Variant(liger, dev, precision, mode, distributed,
-                                                 around=_liger(liger), opt=opt)
+                                                 around=_liger(liger), opt=opt, adamw=adamw)
                 t_start = time.perf_counter()
                 for v in variants.values():
                     for _ in range(warmup):  # compiles, autotunes, fills caches
@@ -348,14 +359,14 @@ def _f(v, fmt):
     return "-" if v is None else format(v, fmt)
 
 
-HEADER = (f"{'model':<10}{'batch':>6} {'precision':<9} {'mode':<8}{'unfused ms':>11}"
+HEADER = (f"{'model':<10}{'batch':>6} {'precision':<11} {'mode':<8}{'unfused ms':>11}"
           f"{'fused ms':>10}{'speedup':>8}{'GPU ms unf':>11}{'GPU ms fus':>11}{'ours':>7}"
           f"{'peak MB unf':>12}{'peak MB fus':>12}{'fwd diff':>10}{'Liger ms':>10}"
           f"{'Liger MB':>10}")
 
 
 def format_row(r: ModelRow) -> str:
-    return (f"{r.model:<10}{r.batch:>6} {r.precision:<9} {r.mode:<8}{r.unfused_ms:>11.2f}"
+    return (f"{r.model:<10}{r.batch:>6} {r.precision:<11} {r.mode:<8}{r.unfused_ms:>11.2f}"
             f"{r.fused_ms:>10.2f}{r.speedup:>7.3f}x{_f(r.unfused_gpu_ms, '11.2f'):>11}"
             f"{_f(r.fused_gpu_ms, '11.2f'):>11}{_f(r.fused_ours_gpu_ms, '7.2f'):>7}"
             f"{_f(r.unfused_peak_mb, '12.0f'):>12}{_f(r.fused_peak_mb, '12.0f'):>12}"

@@ -6,10 +6,11 @@ modules, fake kernels, unfused reference and Inductor lowering."""
 from .. import ops as _ops
 from ..errors import NotBuiltError
 from . import _op
+from .adamw import AdamW
 from .fuse import FuseReport, fuse
 from .linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["FuseReport", "NotBuiltError", "fuse", "linear_cross_entropy",
+__all__ = ["AdamW", "FuseReport", "NotBuiltError", "fuse", "linear_cross_entropy",
            *_ops.export(__name__, globals(), "torch")]
 
 if _op.LOAD_ERROR is None:
