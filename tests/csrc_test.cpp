@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "csrc/adamw.h"
 #include "csrc/linear_gelu_epilogue.h"
 #include "csrc/cpu_types.h"
 #include "csrc/gated.h"
@@ -600,6 +601,68 @@ void moe_test(std::mt19937_64& rng) {
                "num_experts must be in [1, 8192], got 0", "moe num_experts");
 }
 
+// Three AdamW steps of two float32 parameters (one spanning two chunks) with amsgrad, weight
+// decay and clipping, against the update written out here in float64.
+void adamw_test(std::mt19937_64& rng) {
+  const std::vector<int64_t> sa{kAdamWChunk + 77}, sb{5, 3};
+  struct P { std::vector<float> w, g, m, v, vmax; std::vector<double> w64, m64, v64, vmax64; };
+  std::vector<P> ps(2);
+  const std::vector<int64_t>* shapes[2] = {&sa, &sb};
+  for (int j = 0; j < 2; ++j) {
+    const size_t n = size_t(Sizes{shapes[j]->data(), int64_t(shapes[j]->size())}.numel());
+    ps[j].w = randn(rng, n);
+    ps[j].m = ps[j].v = ps[j].vmax = std::vector<float>(n, 0.f);
+    ps[j].w64.assign(ps[j].w.begin(), ps[j].w.end());
+    ps[j].m64 = ps[j].v64 = ps[j].vmax64 = std::vector<double>(n, 0.0);
+  }
+  std::vector<float> steps(2, 0.f);
+  const std::vector<int64_t> scalar{1};
+  AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1, o.amsgrad = true, o.max_grad_norm = 5.0;
+  const Exec exec = threads_exec(3);
+  for (int t = 1; t <= 3; ++t) {
+    std::vector<AdamWTensors> table(2);
+    std::vector<TensorRef> grads;
+    double sumsq = 0;
+    for (int j = 0; j < 2; ++j) {
+      ps[j].g = randn(rng, ps[j].w.size());
+      for (float g : ps[j].g) sumsq += double(g) * g;
+      table[j] = {ref(ps[j].w, *shapes[j]), ref(ps[j].g, *shapes[j]), ref(ps[j].m, *shapes[j]),
+                  ref(ps[j].v, *shapes[j]), ref(ps[j].vmax, *shapes[j]), {},
+                  {&steps[j], DType::kFloat32, {scalar.data(), 1}, true}};
+      grads.push_back(table[j].grad);
+    }
+    std::vector<double> partials(adamw_grad_sumsq_workspace_size(grads) / sizeof(double));
+    double got_sumsq = 0;
+    adamw_grad_sumsq_check(grads);
+    adamw_grad_sumsq(grads, &got_sumsq, partials.data(), exec);
+    expect(std::abs(got_sumsq - sumsq) <= 1e-12 * sumsq, "adamw_grad_sumsq");
+    o.grad_sumsq = &got_sumsq;
+    adamw_check(table, o);
+    adamw_step(table, o, exec);
+    const double clip = std::min(1.0, o.max_grad_norm / (std::sqrt(sumsq) + 1e-6));
+    for (int j = 0; j < 2; ++j) {
+      P& p = ps[j];
+      for (size_t i = 0; i < p.w.size(); ++i) {
+        const double g = p.g[i] * clip;
+        p.w64[i] *= 1 - o.lr * o.weight_decay;
+        p.m64[i] += (1 - o.beta1) * (g - p.m64[i]);
+        p.v64[i] = o.beta2 * p.v64[i] + (1 - o.beta2) * g * g;
+        p.vmax64[i] = std::max(p.vmax64[i], p.v64[i]);
+        p.w64[i] -= o.lr / (1 - std::pow(o.beta1, t)) * p.m64[i] /
+                    (std::sqrt(p.vmax64[i]) / std::sqrt(1 - std::pow(o.beta2, t)) + o.eps);
+      }
+      expect_close(p.w, p.w64, 1e-6, 1e-5, "adamw w of params[" + std::to_string(j) + "]");
+      expect_close(p.m, p.m64, 1e-7, 1e-5, "adamw exp_avg");
+      expect_close(p.vmax, p.vmax64, 1e-9, 1e-5, "adamw max_exp_avg_sq");
+      expect(steps[j] == float(t), "adamw step count");
+    }
+  }
+  AdamWOptions bad = o;
+  bad.beta2 = 1.0;
+  expect_error([&] { adamw_check({}, bad); }, "beta2 must be in [0, 1), got 1", "adamw beta2");
+}
+
 int main(int argc, char** argv) {
   const unsigned long long seed = argc > 1 ? std::stoull(argv[1]) : 0;
   std::mt19937_64 rng(seed);
@@ -611,6 +674,7 @@ int main(int argc, char** argv) {
   linear_gelu_epilogue_test(rng);
   linear_gelu_test(rng);
   moe_test(rng);
+  adamw_test(rng);
   half_conversion_test();
   const uint64_t half_digest = half_layer_norm_test(rng);
 #ifndef FUSEDLAYERS_WITH_CUDA
