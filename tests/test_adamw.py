@@ -162,6 +162,25 @@ def test_masters_match_float32_adamw(seed):
         assert rel_err(a, b.to(torch.bfloat16)) < 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_masters_for_16_bit_parameters_only(device, seed):
+    """A group of bf16 and float32 parameters under master_weights: masters for the bf16 ones,
+    each updated as by an optimizer of its own."""
+    mixed = make_params([(7, 3)], torch.bfloat16, device, seed) + \
+        make_params([(9,)], torch.float32, device, seed + 1)
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in mixed]
+    ours = AdamW(mixed, lr=1e-2, master_weights=True)
+    refs = [AdamW([p], lr=1e-2, master_weights=True) for p in alone]
+    for step in range(2):
+        set_grads([mixed, alone], seed + step)
+        ours.step()
+        for r in refs:
+            r.step()
+    assert "master_param" in ours.state[mixed[0]] and "master_param" not in ours.state[mixed[1]]
+    for p, q in zip(mixed, alone):
+        assert torch.equal(p, q)
+
+
 def test_state_dict_round_trips_with_torch(seed):
     mk = lambda: make_params(SHAPES, torch.float64, "cpu", seed)  # noqa: E731
     a_p, b_p, c_p = mk(), mk(), mk()
@@ -407,7 +426,7 @@ FSDP_SCRIPT = textwrap.dedent("""
         assert err < 1e-6, err
     sd = a.state_dict()
     assert all(type(s["exp_avg"]).__name__ == "DTensor" for s in sd["state"].values())
-    print("ok", dist.get_rank(), flush=True)
+    open(os.path.join(sys.argv[1], f"ok{dist.get_rank()}"), "w").close()
     dist.destroy_process_group()
 """)
 
@@ -418,7 +437,7 @@ def test_fsdp2_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                             "2", str(script)], capture_output=True, text=True, timeout=300,
-                            env=env)
+                             "2", str(script), str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ok 0" in result.stdout and "ok 1" in result.stdout
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()  # both ranks got there

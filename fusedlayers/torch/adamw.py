@@ -61,9 +61,7 @@ class AdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self._grad_sumsq = None
         self._norm_scale = None
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            self._check_group(group)
+        super().__init__(params, defaults)  # add_param_group checks each group
 
     def _check_group(self, group):
         """csrc's checks of the hyperparameters, so a bad value fails here."""
@@ -77,8 +75,7 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        if hasattr(self, "_grad_sumsq"):  # after __init__: check the new group now
-            self._check_group(self.param_groups[-1])
+        self._check_group(self.param_groups[-1])
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -147,9 +144,15 @@ class AdamW(torch.optim.Optimizer):
                 if group["amsgrad"]:
                     t["max_exp_avg_sqs"].append(_local(state["max_exp_avg_sq"]))
                 master = state.get("master_param")
-                t["masters"].append(_local(master) if master is not None
-                                    else local.new_empty(0, dtype=torch.float32))
+                t["masters"].append(None if master is None else _local(master))
                 t["steps"].append(state["step"])
+            for device, t in by_device.items():
+                # none: an empty list; else an empty tensor where a parameter has none
+                if all(m is None for m in t["masters"]):
+                    t["masters"] = []
+                elif None in t["masters"]:
+                    none = torch.empty(0, device=device)
+                    t["masters"] = [none if m is None else m for m in t["masters"]]
             tables.append((group, by_device))
         return tables
 
