@@ -62,6 +62,14 @@ struct AdamWOptions {
   double max_grad_norm = 0;            // 0: no clipping
 };
 
+// The dtype rules: masters are for 16-bit parameters; moments of dtype M beside parameters of P
+// are P's dtype, float32 for 16-bit P, or 16-bit for float32 P (float64 P keeps float64).
+constexpr bool adamw_half(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
+constexpr bool adamw_moment_dtype_ok(DType p, DType m) {
+  return m == p || (adamw_half(p) && m == DType::kFloat32) ||
+         (p == DType::kFloat32 && adamw_half(m));
+}
+
 // Every rule of the arguments (dtypes, sizes, hyperparameters); Error of kind kType for dtypes,
 // kValue otherwise, naming `adamw`.
 void adamw_check(const std::vector<AdamWTensors>& params, const AdamWOptions& o);
@@ -128,7 +136,8 @@ FUSEDLAYERS_ADAMW_INLINE AdamWCoefficients<A> adamw_coefficients(const AdamWOpti
                                                                  double grad_factor) {
   const double t = step + 1;
   return {A(1 - lr * o.weight_decay), A(1 - o.beta1), A(o.beta2), A(1 - o.beta2),
-          A(lr / (1 - adamw_pow(o.beta1, t))), A(adamw_sqrt(1 - adamw_pow(o.beta2, t))), A(o.eps), A(grad_factor)};
+          A(lr / (1 - adamw_pow(o.beta1, t))), A(adamw_sqrt(1 - adamw_pow(o.beta2, t))),
+          A(o.eps), A(grad_factor)};
 }
 
 // One element: w (the master, or the parameter), m, v, v_max updated in A; g as stored.

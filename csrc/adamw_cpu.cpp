@@ -79,17 +79,13 @@ void step_members(const AdamWKernelArgs& k, const AdamWOptions& o,
   });
 }
 
+// The DType of a storage type: only the combinations adamw.h's rules allow are instantiated.
 template <typename T>
-constexpr bool half_type() {
-  return std::is_same_v<T, cpu::Half> || std::is_same_v<T, cpu::BFloat16>;
-}
-
-// Whether AdamW takes moments of M beside parameters of P (adamw_check's rule): only those
-// pairs are instantiated.
-template <typename P, typename M>
-constexpr bool valid_pair() {
-  return std::is_same_v<P, M> || (half_type<P>() && std::is_same_v<M, float>) ||
-         (std::is_same_v<P, float> && half_type<M>());
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
+  else if constexpr (std::is_same_v<T, cpu::Half>) return DType::kFloat16;
+  else if constexpr (std::is_same_v<T, cpu::BFloat16>) return DType::kBFloat16;
+  else return DType::kFloat32;
 }
 
 }  // namespace
@@ -101,9 +97,9 @@ void adamw_step_cpu(const AdamWKernelArgs& k, const AdamWOptions& o,
     cpu::dispatch(k.moment_dtype, [&](auto m) {
       using P = decltype(p);
       using M = decltype(m);
-      if constexpr (valid_pair<P, M>()) {
+      if constexpr (adamw_moment_dtype_ok(dtype_of<P>(), dtype_of<M>())) {
         cpu::with_flags([&](auto master, auto amsgrad) {
-          if constexpr (!decltype(master)::value || half_type<P>())
+          if constexpr (!decltype(master)::value || adamw_half(dtype_of<P>()))
             step_members<P, M, decltype(master)::value, decltype(amsgrad)::value>(k, o,
                                                                                   parallel_for);
         }, k.master, o.amsgrad);

@@ -64,15 +64,13 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
   return p == nullptr || reinterpret_cast<uintptr_t>(p) % (kVec * sizeof(T)) == 0;
 }
 
+// The DType of a storage type: only the combinations adamw.h's rules allow are instantiated.
 template <typename T>
-constexpr bool half_type() {
-  return std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
-}
-
-template <typename P, typename M>
-constexpr bool valid_pair() {  // adamw_check's rule on the moments' dtype
-  return std::is_same_v<P, M> || (half_type<P>() && std::is_same_v<M, float>) ||
-         (std::is_same_v<P, float> && half_type<M>());
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
+  else if constexpr (std::is_same_v<T, __half>) return DType::kFloat16;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::kBFloat16;
+  else return DType::kFloat32;
 }
 
 // Elements i .. i + N - 1 of one parameter (N = kVec in vector accesses, or 1).
@@ -84,7 +82,8 @@ __device__ __forceinline__ void update(P* param, const P* grad, M* exp_avg, M* e
   using VM = cuda::Vec<M, N>;
   using VF = cuda::Vec<float, N>;
   const VP g = *reinterpret_cast<const VP*>(grad + i);
-  VM m = *reinterpret_cast<const VM*>(exp_avg + i), v = *reinterpret_cast<const VM*>(exp_avg_sq + i);
+  VM m = *reinterpret_cast<const VM*>(exp_avg + i);
+  VM v = *reinterpret_cast<const VM*>(exp_avg_sq + i);
   VM vm;
   if constexpr (kAmsgrad) vm = *reinterpret_cast<const VM*>(max_exp_avg_sq + i);
   VF wf;
@@ -238,8 +237,8 @@ void adamw_step_cuda(const AdamWKernelArgs& k, const AdamWOptions& o, cudaStream
     cuda::dispatch(k.moment_dtype, [&](auto m) {
       using P = decltype(p);
       using M = decltype(m);
-      if constexpr (valid_pair<P, M>()) {
-        if constexpr (half_type<P>()) {
+      if constexpr (adamw_moment_dtype_ok(dtype_of<P>(), dtype_of<M>())) {
+        if constexpr (adamw_half(dtype_of<P>())) {
           if (k.master) {
             if (o.amsgrad) launch_steps<P, M, true, true>(k, o, stream);
             else launch_steps<P, M, true, false>(k, o, stream);

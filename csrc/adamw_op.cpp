@@ -11,13 +11,6 @@ namespace {
 
 const char* const kOp = "adamw";
 
-bool half(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
-
-// M may be P, float32 for 16-bit P, or 16-bit for float32 P (float64 P keeps float64 moments).
-bool moment_dtype_ok(DType p, DType m) {
-  return m == p || (half(p) && m == DType::kFloat32) || (p == DType::kFloat32 && half(m));
-}
-
 void check_range(const char* name, double v, double lo, bool lo_open, double hi, bool hi_open) {
   const bool ok = (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
   if (!ok) {
@@ -49,19 +42,21 @@ void check_param(const AdamWTensors& t, int64_t i, const AdamWOptions& o) {
   check_dtype(where, "grad", t.grad.dtype, p);
   check_like(where, "exp_avg", t.exp_avg, t.param);
   check_like(where, "exp_avg_sq", t.exp_avg_sq, t.param);
-  if (!moment_dtype_ok(p, m))
+  if (!adamw_moment_dtype_ok(p, m)) {
+    const char* others = adamw_half(p)              ? " or float32"
+                         : p == DType::kFloat32 ? ", bfloat16 or float16"
+                                                : "";
     arg_error(kOp, "exp_avg of " + where + " must be the parameter's dtype " + dtype_name(p) +
-                       (half(p) ? " or float32" : p == DType::kFloat32 ? ", bfloat16 or float16"
-                                                                       : "") +
-                       ", got " + dtype_name(m),
+                       others + ", got " + dtype_name(m),
               Error::Kind::kType);
+  }
   check_dtype(where, "exp_avg_sq", t.exp_avg_sq.dtype, m);
   if (o.amsgrad) {
     check_like(where, "max_exp_avg_sq", t.max_exp_avg_sq, t.param);
     check_dtype(where, "max_exp_avg_sq", t.max_exp_avg_sq.dtype, m);
   }
   if (t.master.defined) {
-    if (!half(p))
+    if (!adamw_half(p))
       arg_error(kOp, "master of " + where + " is for float16 and bfloat16 parameters, got a " +
                          dtype_name(p) + " parameter",
                 Error::Kind::kType);

@@ -81,10 +81,9 @@ void adamw_kernel(at::TensorList params, at::TensorList grads, at::TensorList ex
       t.master = ref(masters[i]);
     }
     const std::string step = "steps[" + std::to_string(i) + "]";
+    check_floating(kOp, step.c_str(), steps[i]);  // csrc checks that it is float32
     check_same_device(kOp, step.c_str(), steps[i], "params[0]", first);
-    TORCH_CHECK_TYPE(steps[i].scalar_type() == at::kFloat, "fusedlayers.adamw: ", step,
-                     " must be float32, got ", steps[i].scalar_type());
-    t.step = {steps[i].data_ptr(), DType::kFloat32, sizes(steps[i].sizes()), true};
+    t.step = ref(steps[i]);
   }
   AdamWOptions o;
   o.lr = lr;
