@@ -427,6 +427,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     sd = a.state_dict()
     assert all(type(s["exp_avg"]).__name__ == "DTensor" for s in sd["state"].values())
     open(os.path.join(sys.argv[1], f"ok{dist.get_rank()}"), "w").close()
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 """)
 
