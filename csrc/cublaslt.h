@@ -18,7 +18,8 @@ typedef struct cublasLtContext* cublasLtHandle_t;  // as cublasLt.h declares it
 
 namespace fusedlayers {
 
-// The cuBLASLt handle and workspace come from the caller (the framework's, reused across calls).
+// The handle (cublaslt_handle()) and the workspace (the framework's where it lends one, reused
+// across calls).
 struct LtContext {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
@@ -26,10 +27,15 @@ struct LtContext {
   cudaStream_t stream = nullptr;
 };
 
-// For a binding whose framework lends no cuBLASLt handle and workspace (XLA): one handle for the
-// process, created on first use and kept for its life, and the workspace to give it (cuBLAS'
-// recommended size on Hopper).
-cublasLtHandle_t cublaslt_process_handle();
+// The current device's handle, created on its first use and kept for the process's life (a
+// cuBLASLt handle belongs to the device current at its creation). Not a framework's own handle:
+// that may come from another cuBLASLt than the one these calls bind to (a CUDA build of
+// TensorFlow loaded first exports cuBLASLt symbols of its own CUDA version, and they bind there),
+// and a handle of one cuBLASLt given to another fails or crashes.
+cublasLtHandle_t cublaslt_handle();
+
+// The workspace to allocate where the framework lends none (XLA): cuBLAS' recommended size on
+// Hopper.
 constexpr size_t kCublasLtWorkspaceBytes = size_t(32) << 20;
 
 // gemm.h's contract on cuBLASLt, on lt's stream; `op` names the calling op in errors (an Error

@@ -2,8 +2,10 @@
 // gemm.h's FrameworkGemm on them.
 #include <array>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "cublaslt.cuh"
 #include "cuda_common.cuh"
@@ -154,13 +156,15 @@ void cublaslt_matmul(const LtContext& lt, DType dtype, const LtGemm& g, const ch
          std::to_string(g.inner) + ", " + dtype_name(dtype) + ")");
 }
 
-cublasLtHandle_t cublaslt_process_handle() {
-  static const cublasLtHandle_t handle = [] {  // initialised once, thread-safely
-    cublasLtHandle_t h = nullptr;
-    check(cublasLtCreate(&h), "cublasLtCreate");
-    return h;
-  }();
-  return handle;
+cublasLtHandle_t cublaslt_handle() {
+  int device = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  static std::mutex mutex;
+  static std::vector<cublasLtHandle_t> handles;  // by device, kept for the process's life
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (size_t(device) >= handles.size()) handles.resize(size_t(device) + 1, nullptr);
+  if (handles[device] == nullptr) check(cublasLtCreate(&handles[device]), "cublasLtCreate");
+  return handles[device];
 }
 
 FrameworkGemm cublaslt_gemm(const LtContext& lt, const char* op) {

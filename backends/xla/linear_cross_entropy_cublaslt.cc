@@ -44,7 +44,7 @@ ffi::Error run(Device& device, AnyBuffer input, AnyBuffer weight, AnyBuffer bias
       fail("the workspace result holds " + std::to_string(workspace->size_bytes()) +
            " bytes, the op needs " + std::to_string(own + kCublasLtWorkspaceBytes));
     a.workspace = data(workspace);
-    const LtContext lt{cublaslt_process_handle(), static_cast<char*>(data(workspace)) + own,
+    const LtContext lt{cublaslt_handle(), static_cast<char*>(data(workspace)) + own,
                        kCublasLtWorkspaceBytes, device.exec().stream};
     linear_cross_entropy(a, s, device.exec(), cublaslt_gemm(lt, kOp));
   });

@@ -30,7 +30,7 @@ LtContext lt_context(const Device& device, Out& workspace, size_t offset) {
   if (bytes < offset + kCublasLtWorkspaceBytes)
     fail("the workspace result holds " + std::to_string(bytes) + " bytes, the pass needs " +
          std::to_string(offset + kCublasLtWorkspaceBytes));
-  return {cublaslt_process_handle(), static_cast<char*>(data(workspace)) + offset,
+  return {cublaslt_handle(), static_cast<char*>(data(workspace)) + offset,
           kCublasLtWorkspaceBytes, device.exec().stream};
 }
 
