@@ -1,14 +1,15 @@
 """Shared fixtures: a fresh random seed per test (reported when the test fails, and fixable with
 FUSEDLAYERS_TEST_SEED=<seed> to reproduce), seeding torch and, as `rng`, a numpy Generator;
-thread-count restoration; and the one guard on
-the optional frameworks: TensorFlow's and Keras' tests skip where those are not installed, so
-where they are installed but do not import, the session fails instead of turning half the suite
-into skips."""
+thread-count restoration; TensorFlow's device (its CPU unless a test is marked cuda); and the
+one guard on the optional frameworks: TensorFlow's and Keras' tests skip where those are not
+installed, so where they are installed but do not import, the session fails instead of turning
+half the suite into skips."""
 
 import importlib
 import importlib.util
 import os
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +19,9 @@ import fusedlayers
 
 # TensorFlow's C++ start-up logs off in the test run, as in our own processes (unless set).
 fusedlayers.quiet_tensorflow_logs()
+# TensorFlow takes a GPU's memory as it needs it, not all of it at start: torch and JAX share the
+# device within a test process and among pytest-xdist's workers.
+os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 # Two CPU devices for JAX's sharding tests: XLA reads this when JAX first starts its CPU client.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
@@ -32,6 +36,24 @@ def pytest_sessionstart(session):
         except Exception as e:  # whatever the import raises, the tests would only be skipped
             pytest.exit(f"{name} is installed but does not import ({type(e).__name__}: {e}); "
                         f"its tests would all be skipped", returncode=1)
+    if "tensorflow" in sys.modules:
+        # float32 matmuls in float32, not TF32 (TensorFlow's GPU default): the float32 references
+        # and tolerances assume it, as for torch (whose default it is).
+        sys.modules["tensorflow"].config.experimental.enable_tensor_float_32_execution(False)
+
+
+@pytest.fixture(autouse=True)
+def tensorflow_device(request):
+    """TensorFlow places an op on its GPU when it sees one: the tests not marked cuda run on its
+    CPU, as torch's tensors default to the CPU (their bitwise comparisons with torch's CPU results
+    hold there); those marked cuda place their TensorFlow ops themselves."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or request.node.get_closest_marker("cuda") or not tf.config.list_physical_devices(
+            "GPU"):
+        yield
+        return
+    with tf.device("/CPU:0"):
+        yield
 
 
 @pytest.fixture(autouse=True)

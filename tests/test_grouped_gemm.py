@@ -165,6 +165,32 @@ def test_same_bits_in_torch_tensorflow_and_jax(rng):
         np.testing.assert_array_equal(np.asarray(got, np.float32), ref)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [*SHAPES, ((40, 0, 7, 24), 3, 64, 48)],
+                         ids=lambda s: "-".join(map(str, s[0])) + f"_{s[1:]}")
+def test_tensorflow_gpu_gives_torch_cuda_bits(shape, dtype, rng):
+    """TensorFlow's GPU kernel runs torch's CUDA grouped GEMM (checked against the float64 loop
+    above): the same bits, forward and gradients, on the Hopper path (aligned bfloat16) and the
+    tiled one."""
+    tf = pytest.importorskip("tensorflow")
+    if not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU")
+    sizes, tail, k, n = shape
+    x, w, dy, offsets = problem(rng, sizes, tail, k, n, False, DTYPES[dtype], "cuda")
+    want = [v.float().cpu().numpy() for v in run(x, w, dy, offsets, False)]
+    with tf.device("/GPU:0"):
+        xt, wt, dyt = (tf.cast(tf.constant(v.float().cpu().numpy()), dtype) for v in (x, w, dy))
+        with tf.GradientTape() as tape:
+            tape.watch([xt, wt])
+            y = fl.grouped_gemm(xt, wt, tf.constant(offsets.cpu().numpy()))
+        dxt, dwt = tape.gradient(y, [xt, wt], output_gradients=dyt)
+    for got, ref, name in zip((y, dxt, dwt), want, ("y", "dx", "dweight")):
+        assert got.device.endswith("GPU:0"), (name, got.device)
+        np.testing.assert_array_equal(tf.cast(got, tf.float32).numpy(), ref, err_msg=name)
+
+
 def test_tensorflow_gradient():
     tf = pytest.importorskip("tensorflow")
 

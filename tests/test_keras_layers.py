@@ -394,6 +394,35 @@ def test_model_jit_compile_true(rng):
     assert "fusedlayers_layer_norm_forward" in hlo and "fusedlayers_linear_gelu_forward" in hlo
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_model_trains_on_gpu_as_on_cpu(rng, jit_compile):
+    """A model of fused layers trained on TensorFlow's GPU (the CUDA kernels; under
+    jit_compile=True their XLA custom calls) from the same weights, on the same batches, follows
+    the CPU's losses and ends at its weights, its variables on the GPU."""
+    if not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU")
+    x, y = _data(rng, n=128, d=6)
+    init = _model(6).get_weights()
+    runs = {}
+    for device in ("/CPU:0", "/GPU:0"):
+        with tf.device(device):
+            model = _model(6)
+            model.set_weights(init)
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                          jit_compile=jit_compile)
+            hist = model.fit(x, y, epochs=3, batch_size=32, shuffle=False, verbose=0)
+            runs[device] = (hist.history["loss"], model.get_weights(),
+                            {w.path: w.value.device for w in model.weights})
+    (cpu_losses, cpu_weights, _), (losses, weights, placed) = runs["/CPU:0"], runs["/GPU:0"]
+    assert model.jit_compile is jit_compile
+    assert all(d.endswith("GPU:0") for d in placed.values()), placed
+    assert losses[-1] < losses[0], f"loss did not decrease: {losses} ({rng})"
+    np.testing.assert_allclose(losses, cpu_losses, rtol=1e-4, err_msg=str(rng))
+    for w, c in zip(weights, cpu_weights):
+        np.testing.assert_allclose(w, c, rtol=1e-4, atol=1e-5, err_msg=str(rng))
+
+
 class OpsModel(keras.Model):
     """A subclassed model calling the functional ops directly (no fused layers to opt out)."""
 

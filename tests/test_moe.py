@@ -186,7 +186,7 @@ def _torch_results(idx, x, w, dout, experts):
     xs, rows, offsets = fl.moe_permute(x, idx, experts)
     out = fl.moe_unpermute(xs * 2.0, idx, rows, w, experts)
     dx, dw = torch.autograd.grad(out, [x, w], dout)
-    return [t.detach().numpy() for t in (xs, rows, offsets, out, dx, dw)]
+    return [t.detach().cpu().numpy() for t in (xs, rows, offsets, out, dx, dw)]
 
 
 def test_tensorflow_gives_torch_bits_and_gradients(rng):
@@ -216,6 +216,45 @@ def test_tensorflow_gives_torch_bits_and_gradients(rng):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"moe_unpermute: row_index must be int32, got int64"):
         fl.moe_unpermute(xs, ti, tf.cast(rows, tf.int64), None, experts)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tensorflow_gpu_gives_torch_cuda_bits(rng):
+    """Under XLA on TensorFlow's GPU the MoE glue's custom calls run torch's CUDA kernels: the
+    same bits, forward and gradients (outside XLA TensorFlow places the glue on its CPU:
+    backends/tensorflow/moe.cc); moe_experts on TensorFlow's GPU against float64."""
+    tf = pytest.importorskip("tensorflow")
+    if not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU")
+    idx, x, w, dout, experts = _other_frameworks(rng)
+    want = _torch_results(*(t.cuda() for t in (idx, x, w, dout)), experts)
+
+    @tf.function(jit_compile=True)
+    def glue(tx, ti, tw, tdout):
+        with tf.GradientTape() as tape:
+            tape.watch([tx, tw])
+            xs, rows, offsets = fl.moe_permute(tx, ti, experts)
+            out = fl.moe_unpermute(xs * 2.0, ti, rows, tw, experts)
+        return (xs, rows, offsets, out, *tape.gradient(out, [tx, tw], output_gradients=tdout))
+
+    with tf.device("/GPU:0"):
+        got = glue(*(tf.constant(t.numpy()) for t in (x, idx, w, dout)))
+    for name, g, ref in zip(("xs", "rows", "offsets", "out", "dx", "dw"), got, want):
+        assert g.device.endswith("GPU:0"), (name, g.device)
+        np.testing.assert_array_equal(g.numpy(), ref, err_msg=name)
+
+    args, kw = _experts_problem(rng, torch.float32, transposed=True, bias=True)
+    want = tmoe["moe_experts"].reference(*[a.double() if a.is_floating_point() else a
+                                           for a in args],
+                                         **{k: v.double() if isinstance(v, torch.Tensor) else v
+                                            for k, v in kw.items()})
+    with tf.device("/GPU:0"):
+        got = fl.moe_experts(*[tf.constant(a.numpy()) for a in args],
+                             **{k: tf.constant(v.numpy()) if isinstance(v, torch.Tensor) else v
+                                for k, v in kw.items()})
+    assert got.device.endswith("GPU:0")
+    assert rel_err(torch.from_numpy(got.numpy()), want) <= 1e-5
 
 
 def test_jax_gives_torch_bits_and_gradients(rng):

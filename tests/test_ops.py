@@ -1,11 +1,13 @@
 """Every op of `op_db.OP_DB`, generated from its table entry (sample inputs, reference, bad
-inputs): forward and gradients in torch on the CPU and CUDA, in TensorFlow and in JAX against the
-float64 reference, calibrated against the unfused computation in the dtype under test (bitwise
-equal to it where the op rounds once); torch<->TF and torch<->JAX parity (bitwise where they run
-the same csrc kernels); gradcheck, tf.test.compute_gradient and jax.test_util.check_grads in
-float64; opcheck of every fusedlayers op a sample's forward and backward reach; and the argument
-errors in every framework, eagerly and compiled (tf.function, jax.jit). The op-specific behaviour (modules, options of one framework, special values,
-determinism) stays in tests/test_<op>.py."""
+inputs): forward and gradients in torch on the CPU and CUDA, in TensorFlow on its CPU and GPU
+(there under XLA too) and in JAX against the float64 reference, calibrated against the unfused
+computation in the dtype under test (bitwise equal to it where the op rounds once); torch<->TF
+(on either device) and torch<->JAX parity (bitwise where they run the same csrc kernels);
+gradcheck, tf.test.compute_gradient and jax.test_util.check_grads in float64 (TF's GPU kernels:
+compute_gradient in float32); opcheck of every fusedlayers op a sample's forward and backward
+reach; and the argument errors in every framework, eagerly and compiled (tf.function, jax.jit).
+The op-specific behaviour (modules, options of one framework, special values, determinism) stays
+in tests/test_<op>.py."""
 
 import dataclasses
 import warnings
@@ -249,41 +251,76 @@ def tf():
     return pytest.importorskip("tensorflow")
 
 
-def run_tf(tf, op, s, leaves, dy):
-    """As run_torch, through the TF op: {"y": ..., "d<arg>": ...} as TF tensors."""
-    t = {n: None if v is None else tf.cast(tf.constant(v.double().numpy()), str(v.dtype)[6:])
-         for n, v in leaves.items()}
-    present = [n for n, v in t.items() if v is not None and n not in s.nondiff]
-    with tf.GradientTape() as tape:
-        tape.watch([t[n] for n in present])
-        y = getattr(fl, op.name)(**t, **s.kwargs)
-    ys = list(y) if isinstance(y, tuple) else [y]
-    dys = list(dy) if isinstance(dy, tuple) else [dy]
-    gs = tape.gradient(ys, [t[n] for n in present], output_gradients=[
-        tf.cast(tf.constant(d.double().numpy()), o.dtype) for d, o in zip(dys, ys)])
-    return {**outputs(y), **{f"d{n}": g for n, g in zip(present, gs)}}
+def tf_device(tf, device: str) -> str:
+    """TensorFlow's name for a test's device; a cuda test skips where TensorFlow sees no GPU."""
+    if device == "cuda" and not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU")
+    return "/GPU:0" if device == "cuda" else "/CPU:0"
 
 
-@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
+def run_tf(tf, op, s, leaves, dy, device="cpu", jit=False):
+    """As run_torch, through the TF op on `device` (jit: under tf.function(jit_compile=True), the
+    op's XLA kernel): {"y": ..., "d<arg>": ...} as TF tensors. On cuda every result must have been
+    computed on the GPU (a dtype without a GPU kernel would fall back to the CPU's)."""
+    with tf.device(tf_device(tf, device)):
+        t = {n: None if v is None else tf.cast(tf.constant(v.double().numpy()), str(v.dtype)[6:])
+             for n, v in leaves.items()}
+        present = [n for n, v in t.items() if v is not None and n not in s.nondiff]
+        dys = [tf.cast(tf.constant(d.double().numpy()), t[s.first()].dtype)
+               for d in (dy if isinstance(dy, tuple) else (dy,))]
+
+        def forward_and_grads(*args):
+            with tf.GradientTape() as tape:
+                tape.watch(args)
+                y = getattr(fl, op.name)(**{**t, **dict(zip(present, args))}, **s.kwargs)
+            ys = list(y) if isinstance(y, tuple) else [y]
+            return y, tape.gradient(ys, list(args), output_gradients=dys)
+
+        if jit:
+            forward_and_grads = tf.function(forward_and_grads, jit_compile=True)
+        y, gs = forward_and_grads(*[t[n] for n in present])
+    results = {**outputs(y), **{f"d{n}": g for n, g in zip(present, gs)}}
+    if device == "cuda":
+        elsewhere = {n: v.device for n, v in results.items() if not v.device.endswith("GPU:0")}
+        assert not elsewhere, f"{op.name} {s.id}: results not computed on the GPU: {elsewhere}"
+    return results
+
+
+def tf_results_as_torch(results) -> dict:
+    return {n: torch.from_numpy(np64(v)).to(DTYPES[v.dtype.name])  # exact: v is in that dtype
+            for n, v in results.items()}
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, ("cpu", "cuda"), contiguous_only=True))
 def test_tf(op, s, dtype, device, rng, tf):
     leaves = rounded(draw(op, s, rng), s, dtype)
     ref, dy, scales = reference64(op, s, leaves, rng)
-    ours = {n: torch.from_numpy(np64(v)).to(DTYPES[v.dtype.name])  # exact: v is in that dtype
-            for n, v in run_tf(tf, op, s, leaves, dy).items()}
+    ours = tf_results_as_torch(run_tf(tf, op, s, leaves, dy, device))
     base = baseline(op, s, leaves, dy)
-    check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"TF {op.name} {s.id}")
+    check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"TF {op.name} {s.id} {device}")
 
 
-def check_parity(op, s, dtype, rng, framework: str, run_other):
-    """The same rounded inputs through torch's fused op and `framework`'s (run_other(leaves, dy):
-    results by name, like run_torch's). Ops of csrc kernels alone agree bit for bit;
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, ("cuda",), contiguous_only=True))
+def test_tf_xla_gpu(op, s, dtype, device, rng, tf):
+    """The ops' XLA kernels on the GPU (tf.function(jit_compile=True)): their custom calls run the
+    csrc CUDA kernels inside TensorFlow's XLA, forward and backward."""
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    ref, dy, scales = reference64(op, s, leaves, rng)
+    ours = tf_results_as_torch(run_tf(tf, op, s, leaves, dy, device, jit=True))
+    base = baseline(op, s, leaves, dy)
+    check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"TF XLA {op.name} {s.id} GPU")
+
+
+def check_parity(op, s, dtype, rng, framework: str, run_other, device="cpu"):
+    """The same rounded inputs through torch's fused op on `device` and `framework`'s (run_other(
+    leaves, dy): results by name, like run_torch's). Ops of csrc kernels alone agree bit for bit;
     linear_gelu's GEMMs are each framework's own (other summation orders), so its float32 results
     agree to the GEMM's rounding and its other dtypes are not compared."""
     if not op.bitwise_parity and dtype != "float32":
         pytest.skip("the frameworks' own GEMMs differ beyond float32 rounding in other dtypes")
     leaves = rounded(draw(op, s, rng), s, dtype)
     dy = grad_outputs(rng, getattr(fl, op.name)(**leaves, **s.kwargs), leaves[s.first()].dtype)
-    a = run_torch(getattr(fl, op.name), s, leaves, dy)
+    a = run_torch(getattr(fl, op.name), s, leaves, dy, device)
     b = run_other(leaves, dy)
     assert set(a) == set(b)
     for name in a:
@@ -302,10 +339,11 @@ def check_parity(op, s, dtype, rng, framework: str, run_other):
             assert err <= tol, f"{op.name} {s.id} {name}: {err:.2e} > {tol:.1e} ({rng})"
 
 
-@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, contiguous_only=True))
+@pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, ("cpu", "cuda"), contiguous_only=True))
 def test_parity(op, s, dtype, device, rng, tf):
+    """torch's op and TF's on the same device: on cuda, the same csrc CUDA kernels."""
     check_parity(op, s, dtype, rng, "TF",
-                 lambda leaves, dy: run_tf(tf, op, s, leaves, dy))
+                 lambda leaves, dy: run_tf(tf, op, s, leaves, dy, device), device)
 
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(["float64"], contiguous_only=True,
@@ -322,6 +360,27 @@ def test_tf_compute_gradient(op, s, dtype, device, rng, tf):
                                          delta=1e-6)
     for n, t, m in zip(names, theo, num):
         np.testing.assert_allclose(t, m, rtol=1e-6, atol=1e-6, err_msg=f"d{n} ({rng})")
+
+
+@pytest.mark.parametrize("op,s,dtype,device", cases(["float32"], ("cuda",), contiguous_only=True,
+                                                     small=True, nonempty=True))
+def test_tf_compute_gradient_gpu(op, s, dtype, device, rng, tf):
+    """tf.test.compute_gradient of the GPU kernels, in float32 (they take no float64): central
+    differences with step 1e-3 carry float32 rounding of ~1e-4 of the Jacobian's scale."""
+    values = {n: None if v is None else v.astype(np.float32) for n, v in draw(op, s, rng).items()}
+    names = [n for n, v in values.items() if v is not None and n not in s.nondiff]
+    with tf.device(tf_device(tf, device)):
+        consts = {n: None if v is None else tf.constant(v) for n, v in values.items()}
+
+        def fn(*ts):
+            y = getattr(fl, op.name)(**{**consts, **dict(zip(names, ts))}, **s.kwargs)
+            return tf.concat([tf.reshape(o, [-1]) for o in y], 0) if isinstance(y, tuple) else y
+
+        assert fn(*[consts[n] for n in names]).device.endswith("GPU:0")
+        theo, num = tf.test.compute_gradient(fn, [consts[n] for n in names], delta=1e-3)
+    for n, t, m in zip(names, theo, num):
+        np.testing.assert_allclose(t, m, rtol=2e-3, atol=2e-3 * max(1.0, np.abs(m).max()),
+                                   err_msg=f"d{n} ({rng})")
 
 
 @pytest.mark.parametrize("op,e", [pytest.param(op, e, id=f"{op.name}-{e.id}")

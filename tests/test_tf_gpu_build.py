@@ -1,7 +1,7 @@
 """The TensorFlow op library built with its GPU kernels (GOOGLE_CUDA), on a machine with nvcc and
 no GPU: it links, keeps its static CUDA runtime private, registers a GPU kernel for every op and
-every dtype csrc's CUDA kernels take, and still loads and runs on the CPU. No TensorFlow GPU
-machine is available to this project, so these kernels are built and checked here, not run."""
+every dtype csrc's CUDA kernels take, and still loads and runs on the CPU. They run on a GPU in
+.ci/gpu's tensorflow stage (the tests marked cuda that run TensorFlow)."""
 
 import json
 import os

@@ -1,7 +1,8 @@
 """fusedlayers.tensorflow.linear_cross_entropy against the float64 reference (torch's F.linear
 and F.cross_entropy, as the torch and JAX tests use) over several chunks, for every reduction and
 option set, gradients included, eagerly, in tf.function (a batch size unknown while tracing
-included) and under XLA; against fusedlayers.torch (the same csrc pass);
+included) and under XLA, on the CPU and on TensorFlow's GPU; against fusedlayers.torch (the same
+csrc pass) on either device;
 tf.test.compute_gradient; errors; and the Keras layer training with fit on every backend."""
 
 import numpy as np
@@ -61,24 +62,63 @@ def test_compute_gradient():
             np.testing.assert_allclose(a, n, rtol=1e-6, atol=1e-7)
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+def _tf_device(device):
+    if device == "cuda" and not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU")
+    return "/GPU:0" if device == "cuda" else "/CPU:0"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["eager", "xla"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("options", LCE_OPTIONS, ids=lambda o: "-".join(o) or "plain")
+def test_gpu_float32_matches_float64_reference(mode, reduction, options, seed):
+    """On TensorFlow's GPU (the csrc CUDA chunk pass around TF's matmuls; under XLA, its custom
+    call around XLA's dots), float32 against the float64 reference of the same float32 values."""
+    x, w, b, t = (a.astype(np.float32) if a.dtype == np.float64 else a for a in lce_problem(
+        2500, 64, 1000, True, options.get("ignore_index", -100), seed))
+    dy = np.random.default_rng(seed).random(() if reduction != "none" else t.shape) + 0.5
+    with tf.device(_tf_device("cuda")):
+        params, target = [tf.constant(a) for a in (x, w, b)], tf.constant(t)
+
+        def run(*p):
+            return _value_and_grads(lambda *q: linear_cross_entropy(
+                q[0], q[1], target, linear_bias=q[2], reduction=reduction, **options), list(p),
+                dy.astype(np.float32))
+        loss, grads = (tf.function(run, jit_compile=True) if mode == "xla" else run)(*params)
+    assert all(v.device.endswith("GPU:0") for v in (loss, *grads))
+    want, grads_want = lce_torch_reference(*(a.astype(np.float64) for a in (x, w, b)), t,
+                                           reduction, dy, options)
+    assert rel_err(torch.tensor(loss.numpy()), torch.tensor(want)) <= 1e-5
+    for got, ref in zip(grads, grads_want):
+        assert rel_err(torch.tensor(got.numpy()), torch.tensor(ref)) <= 1e-5
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_close_to_torch(dtype):
+def test_close_to_torch(dtype, device):
     x, w, b, t = lce_problem(300, 32, 200, True)
     tdt = getattr(torch, dtype)
     rounded = [torch.tensor(a).to(tdt) for a in (x, w, b)]
-    params = [tf.constant(r.float().numpy(), getattr(tf, dtype)) for r in rounded]
-    loss, grads = _value_and_grads(
-        lambda x, w, b: linear_cross_entropy(x, w, tf.constant(t, tf.int32), linear_bias=b,
-                                             num_items_in_batch=400), params, 1.0)
-    tx, tw, tb = (r.requires_grad_() for r in rounded)
+    with tf.device(_tf_device(device)):
+        params = [tf.constant(r.float().numpy(), getattr(tf, dtype)) for r in rounded]
+        loss, grads = _value_and_grads(
+            lambda x, w, b: linear_cross_entropy(x, w, tf.constant(t, tf.int32), linear_bias=b,
+                                                 num_items_in_batch=400), params, 1.0)
+    assert loss.device.endswith("GPU:0" if device == "cuda" else "CPU:0")
+    tx, tw, tb = (r.to(device).requires_grad_() for r in rounded)
     from fusedlayers.torch import linear_cross_entropy as torch_lce
-    tl = torch_lce(tx, tw, torch.tensor(t), linear_bias=tb, num_items_in_batch=400)
+    tl = torch_lce(tx, tw, torch.tensor(t, device=device), linear_bias=tb, num_items_in_batch=400)
     tgrads = torch.autograd.grad(tl, (tx, tw, tb))
     tol = 1e-6 if dtype == "float32" else 2e-2  # TF's and ATen's GEMMs sum differently
     assert loss.dtype == getattr(tf, dtype)
-    assert rel_err(torch.tensor(float(loss)), tl.double().detach()) <= tol
+    assert rel_err(torch.tensor(float(loss)), tl.double().detach().cpu()) <= tol
     for g, tg in zip(grads, tgrads):
-        assert rel_err(torch.tensor(tf.cast(g, tf.float32).numpy()), tg.float()) <= tol * 10
+        assert rel_err(torch.tensor(tf.cast(g, tf.float32).numpy()), tg.float().cpu()) <= tol * 10
 
 
 def test_no_gradient_asked_runs_the_loss_alone():
