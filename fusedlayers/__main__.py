@@ -59,7 +59,12 @@ def _tensorflow_info() -> bool:
     if _op.LOAD_ERROR is not None:
         print(f"  op library: not usable: {_op.LOAD_ERROR}")
         return False
-    print("  op library: loaded; kernels for CPU")
+    from tensorflow.python.framework import kernels
+    devices = sorted({k.device_type for k in kernels.get_registered_kernels_for_op(
+        "FusedlayersLayerNorm").kernel})
+    gpus = tf.config.list_physical_devices("GPU")
+    print(f"  op library: loaded; kernels for {', '.join(devices)}; TensorFlow sees "
+          f"{len(gpus)} GPU{'' if len(gpus) == 1 else 's'}")
     return True
 
 
@@ -100,9 +105,11 @@ def info() -> int:
 def bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedlayers bench")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--framework", choices=("torch", "jax"), default="torch",
-                        help="torch (with TensorFlow's rows on the CPU) or jax (fusedlayers.jax "
-                             "against XLA's own ops, on JAX's default device)")
+    parser.add_argument("--framework", choices=("torch", "jax", "tensorflow"), default="torch",
+                        help="torch (with TensorFlow's rows on the CPU), jax (fusedlayers.jax "
+                             "against XLA's own ops, on JAX's default device) or tensorflow "
+                             "(fusedlayers.tensorflow against TensorFlow's and Keras' own ops, "
+                             "also under XLA, on TensorFlow's default device)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--ops", default=",".join(OPS),
                         help="comma-separated ops to bench (default: all)")
@@ -167,6 +174,10 @@ def bench(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.optimizer:
         return _bench_optimizer(args)
+    if args.framework == "tensorflow":
+        if args.model or args.memory:
+            parser.error("--framework tensorflow: the op bench only")
+        return _bench_tensorflow(args)
     if args.framework == "jax" and args.model:
         if args.model not in ("bert-base", "llama", "llama-lm", "llama-lm-128k", "qwen3-moe"):
             parser.error("--framework jax --model: bert-base, llama, llama-lm, llama-lm-128k or "
@@ -198,21 +209,17 @@ def bench(argv: list[str]) -> int:
                                      rounds=args.rounds)
     else:
         from fusedlayers.bench import ops as b
-        printed = []
-
-        def on_rows(rows, ceilings):  # each case as it ends: nothing lost if a later one dies
-            table.per_size_floors(rows, ceilings)
-            table.judge(rows)
-            lines = table.format_table(rows, ceilings, name).splitlines()
-            print("\n".join(lines[4 + len(printed):] if printed else lines), flush=True)
-            printed[:] = rows
-            if args.json:
-                table.write_json(args.json, rows, ceilings, name)
         rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
                                not args.no_compile, args.reps or b.CPU_REPS,
                                tuple(args.ops.split(",")), args.peers, not args.no_tensorflow,
-                               args.rounds, on_rows)
+                               args.rounds, _row_printer(args, name))
         print("== all rows")
+    return _report(args, rows, ceilings, name)
+
+
+def _report(args, rows, ceilings: dict, name: str) -> int:
+    """Prints the op bench's rows, judged, and writes --json and --plot."""
+    from fusedlayers.bench import table
     table.per_size_floors(rows, ceilings)
     table.judge(rows)
     print(table.format_table(rows, ceilings, name))
@@ -221,6 +228,35 @@ def bench(argv: list[str]) -> int:
     if args.plot:
         table.plot(args.plot, rows, name)
     return 0
+
+
+def _row_printer(args, name: str):
+    """on_rows(rows, ceilings) for a bench's run: prints the rows added since its last call (each
+    case as it ends: nothing lost if a later one dies) and rewrites --json."""
+    from fusedlayers.bench import table
+    printed = []
+
+    def on_rows(rows, ceilings):
+        table.per_size_floors(rows, ceilings)
+        table.judge(rows)
+        lines = table.format_table(rows, ceilings, name).splitlines()
+        print("\n".join(lines[4 + len(printed):] if printed else lines), flush=True)
+        printed[:] = rows
+        if args.json:
+            table.write_json(args.json, rows, ceilings, name)
+    return on_rows
+
+
+def _bench_tensorflow(args) -> int:
+    from fusedlayers.bench import tensorflow_ops
+    print(fusedlayers.loaded("tensorflow"), flush=True)
+    name = tensorflow_ops.device_name()
+    rows, ceilings = tensorflow_ops.run(tuple(args.dtypes.split(",")), args.quick,
+                                        args.reps or tensorflow_ops.REPS,
+                                        tuple(args.ops.split(",")), rounds=args.rounds,
+                                        on_rows=_row_printer(args, name))
+    print("== all rows")
+    return _report(args, rows, ceilings, name)
 
 
 def _bench_model(args, device: str, name: str) -> int:

@@ -121,6 +121,26 @@ def test_run_adds_tensorflow_rows_on_the_cpu():
     assert all(r.ms > 0 for r in rows)
 
 
+def test_tensorflow_bench_rows():
+    """`bench --framework tensorflow` (here on the CPU): fused and unfused rows, each also under
+    XLA, the floors, and speedups against the unfused rows of the same kind."""
+    pytest.importorskip("tensorflow")
+    from fusedlayers.bench import tensorflow_ops
+    rows, ceilings = tensorflow_ops.run(("float32",), quick=True, reps=1,
+                                        op_names=("relu_scale", "linear_gelu"), iters=2,
+                                        rounds=2)
+    assert {(r.op, r.pass_, r.impl) for r in rows} == {
+        (op, p, impl) for op in ("relu_scale", "linear_gelu") for p in ("fwd", "fwd+bwd")
+        for impl in ("tf-fused", "tf-eager", "tf-fused-xla", "tf-eager-xla")} | {
+        ("linear_gelu", p, "tf-gemm") for p in ("fwd", "fwd+bwd")} | {
+        ("relu_scale", "fwd", "tf-copy")}
+    assert all(r.ms > 0 and len(r.rounds_ms) == 2 for r in rows)
+    assert ceilings["copy_gbs"] > 0 and ceilings["gemm_tflops_float32"] > 0
+    table.judge(rows)
+    judged = {r.impl: set(r.speedups) for r in rows if r.op == "relu_scale" and r.pass_ == "fwd"}
+    assert judged["tf-fused"] == {"tf-eager"} and judged["tf-fused-xla"] == {"tf-eager-xla"}
+
+
 FAULTS_OF_A_TEMPORARY = """
 import ctypes, resource, torch
 from fusedlayers.bench import ops

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import ops
-from .table import Row, row, shape_name, shapes
+from .table import Row, interleaved_rounds, row, shape_name, shapes
 
 
 def _looped(fn, inputs, iters: int):
@@ -67,22 +67,17 @@ def _ms(loop, reps: int, iters: int) -> float:
 def time_rounds(fns: dict, inputs, rounds: int, reps: int, iters: int) -> dict:
     """name -> each round's ms per call of fns[name](*inputs), the fns timed in turn each round,
     after each loop's compilation and a warm-up run; `inputs` a list, or one list per name."""
-    loops = {name: _looped(fn, inputs[name] if isinstance(inputs, dict) else inputs, iters)
-             for name, fn in fns.items()}
-    for name, loop in list(loops.items()):
+    def warm_up(loop):
         try:
             jax.block_until_ready(loop())
-        except jax.errors.JaxRuntimeError as e:  # a row that does not fit is left out, said so
+        except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            print(f"{name}: does not fit this device ({str(e).splitlines()[0][:120]})",
-                  flush=True)
-            del loops[name]
-    times = {name: [] for name in loops}
-    for _ in range(rounds):
-        for name, loop in loops.items():
-            times[name].append(_ms(loop, reps, iters))
-    return times
+            raise MemoryError(str(e)) from e
+
+    loops = {name: _looped(fn, inputs[name] if isinstance(inputs, dict) else inputs, iters)
+             for name, fn in fns.items()}
+    return interleaved_rounds(loops, rounds, lambda loop: _ms(loop, reps, iters), warm_up)
 
 
 def copy_bandwidth_gbs(rounds: int, reps: int, iters: int) -> float:

@@ -50,6 +50,25 @@ def shape_name(shape) -> str:
     return "x".join(map(str, shape))
 
 
+def interleaved_rounds(loops: dict, rounds: int, ms, warm_up) -> dict:
+    """name -> each round's ms of loops[name] (ms(loop)), the loops timed in turn each round,
+    after warm_up(loop) ran each once; a loop whose warm-up raises MemoryError does not fit the
+    device: it is left out, and said so."""
+    loops = dict(loops)
+    for name, loop in list(loops.items()):
+        try:
+            warm_up(loop)
+        except MemoryError as e:
+            print(f"{name}: does not fit this device ({str(e).splitlines()[0][:120]})",
+                  flush=True)
+            del loops[name]
+    times = {name: [] for name in loops}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            times[name].append(ms(loop))
+    return times
+
+
 def row(op, shape: str, dtype_name: str, pass_: str, impl: str, rounds_ms: list, work: float,
          ceilings: dict) -> Row:
     """A timing (each round's ms) as a Row: TFLOP/s of the flops, or GB/s of the bytes, the op's
