@@ -170,6 +170,15 @@ def concurrent_mismatches(run, cases, same, repeats: int = 20) -> list:
     return failures
 
 
+def tf_device(device: str) -> str:
+    """TensorFlow's name for a test's device ("cpu", "cuda"); a cuda test skips where TensorFlow
+    sees no GPU."""
+    import tensorflow as tf
+    if device == "cuda" and not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU")
+    return "/GPU:0" if device == "cuda" else "/CPU:0"
+
+
 def tf_grads(fn, inputs, dy):
     """y = fn(*inputs) and the gradients of sum(y * dy), summed in float64, wrt the non-None
     inputs (None stays None)."""

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedlayers as fl
-from _helpers import assert_calibrated, rel_err
+from _helpers import assert_calibrated, rel_err, tf_device
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -175,12 +175,11 @@ def test_tensorflow_gpu_gives_torch_cuda_bits(shape, dtype, rng):
     above): the same bits, forward and gradients, on the Hopper path (aligned bfloat16) and the
     tiled one."""
     tf = pytest.importorskip("tensorflow")
-    if not tf.config.list_physical_devices("GPU"):
-        pytest.skip("TensorFlow sees no GPU")
+    gpu = tf_device("cuda")
     sizes, tail, k, n = shape
     x, w, dy, offsets = problem(rng, sizes, tail, k, n, False, DTYPES[dtype], "cuda")
     want = [v.float().cpu().numpy() for v in run(x, w, dy, offsets, False)]
-    with tf.device("/GPU:0"):
+    with tf.device(gpu):
         xt, wt, dyt = (tf.cast(tf.constant(v.float().cpu().numpy()), dtype) for v in (x, w, dy))
         with tf.GradientTape() as tape:
             tape.watch([xt, wt])

@@ -21,7 +21,7 @@ if keras.backend.backend() != "tensorflow":  # KERAS_BACKEND=torch: see test_ker
 from fusedlayers.keras import FusedLinearGELU, FusedReLUScale, LayerNorm  # noqa: E402
 
 from _helpers import (EPS, assert_calibrated, gelu64, ln_grad_scales, np64,  # noqa: E402
-                      rel_err)
+                      rel_err, tf_device)
 
 # Keras warns that LayerNormalization(rms_scaling=True) is deprecated, at construction and in
 # ops.layer_normalization at each call; the comparison with it is intended.
@@ -400,8 +400,7 @@ def test_model_trains_on_gpu_as_on_cpu(rng, jit_compile):
     """A model of fused layers trained on TensorFlow's GPU (the CUDA kernels; under
     jit_compile=True their XLA custom calls) from the same weights, on the same batches, follows
     the CPU's losses and ends at its weights, its variables on the GPU."""
-    if not tf.config.list_physical_devices("GPU"):
-        pytest.skip("TensorFlow sees no GPU")
+    tf_device("cuda")  # skips where TensorFlow sees no GPU
     x, y = _data(rng, n=128, d=6)
     init = _model(6).get_weights()
     runs = {}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fusedlayers as fl
-from _helpers import assert_calibrated, rel_err, run_python
+from _helpers import assert_calibrated, rel_err, run_python, tf_device
 
 tmoe = {n: importlib.import_module(f"fusedlayers.torch.{n}")
         for n in ("moe_permute", "moe_unpermute", "moe_experts")}
@@ -225,8 +225,7 @@ def test_tensorflow_gpu_gives_torch_cuda_bits(rng):
     same bits, forward and gradients (outside XLA TensorFlow places the glue on its CPU:
     backends/tensorflow/moe.cc); moe_experts on TensorFlow's GPU against float64."""
     tf = pytest.importorskip("tensorflow")
-    if not tf.config.list_physical_devices("GPU"):
-        pytest.skip("TensorFlow sees no GPU")
+    gpu = tf_device("cuda")
     idx, x, w, dout, experts = _other_frameworks(rng)
     want = _torch_results(*(t.cuda() for t in (idx, x, w, dout)), experts)
 
@@ -238,7 +237,7 @@ def test_tensorflow_gpu_gives_torch_cuda_bits(rng):
             out = fl.moe_unpermute(xs * 2.0, ti, rows, tw, experts)
         return (xs, rows, offsets, out, *tape.gradient(out, [tx, tw], output_gradients=tdout))
 
-    with tf.device("/GPU:0"):
+    with tf.device(gpu):
         got = glue(*(tf.constant(t.numpy()) for t in (x, idx, w, dout)))
     for name, g, ref in zip(("xs", "rows", "offsets", "out", "dx", "dw"), got, want):
         assert g.device.endswith("GPU:0"), (name, g.device)
@@ -249,7 +248,7 @@ def test_tensorflow_gpu_gives_torch_cuda_bits(rng):
                                            for a in args],
                                          **{k: v.double() if isinstance(v, torch.Tensor) else v
                                             for k, v in kw.items()})
-    with tf.device("/GPU:0"):
+    with tf.device(gpu):
         got = fl.moe_experts(*[tf.constant(a.numpy()) for a in args],
                              **{k: tf.constant(v.numpy()) if isinstance(v, torch.Tensor) else v
                                 for k, v in kw.items()})

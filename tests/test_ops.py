@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlayers as fl
-from _helpers import as_layout, assert_bitwise, assert_calibrated, leaf_shape, np64, rel_err
+from _helpers import (as_layout, assert_bitwise, assert_calibrated, leaf_shape, np64, rel_err,
+                      tf_device)
 from op_db import OP_DB
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -251,18 +252,11 @@ def tf():
     return pytest.importorskip("tensorflow")
 
 
-def tf_device(tf, device: str) -> str:
-    """TensorFlow's name for a test's device; a cuda test skips where TensorFlow sees no GPU."""
-    if device == "cuda" and not tf.config.list_physical_devices("GPU"):
-        pytest.skip("TensorFlow sees no GPU")
-    return "/GPU:0" if device == "cuda" else "/CPU:0"
-
-
 def run_tf(tf, op, s, leaves, dy, device="cpu", jit=False):
     """As run_torch, through the TF op on `device` (jit: under tf.function(jit_compile=True), the
     op's XLA kernel): {"y": ..., "d<arg>": ...} as TF tensors. On cuda every result must have been
     computed on the GPU (a dtype without a GPU kernel would fall back to the CPU's)."""
-    with tf.device(tf_device(tf, device)):
+    with tf.device(tf_device(device)):
         t = {n: None if v is None else tf.cast(tf.constant(v.double().numpy()), str(v.dtype)[6:])
              for n, v in leaves.items()}
         present = [n for n, v in t.items() if v is not None and n not in s.nondiff]
@@ -369,7 +363,7 @@ def test_tf_compute_gradient_gpu(op, s, dtype, device, rng, tf):
     differences with step 1e-3 carry float32 rounding of ~1e-4 of the Jacobian's scale."""
     values = {n: None if v is None else v.astype(np.float32) for n, v in draw(op, s, rng).items()}
     names = [n for n, v in values.items() if v is not None and n not in s.nondiff]
-    with tf.device(tf_device(tf, device)):
+    with tf.device(tf_device(device)):
         consts = {n: None if v is None else tf.constant(v) for n, v in values.items()}
 
         def fn(*ts):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import LCE_OPTIONS, lce_problem, lce_torch_reference, rel_err
+from _helpers import LCE_OPTIONS, lce_problem, lce_torch_reference, rel_err, tf_device
 
 tf = pytest.importorskip("tensorflow")
 
@@ -66,12 +66,6 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])
 
 
-def _tf_device(device):
-    if device == "cuda" and not tf.config.list_physical_devices("GPU"):
-        pytest.skip("TensorFlow sees no GPU")
-    return "/GPU:0" if device == "cuda" else "/CPU:0"
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["eager", "xla"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -82,7 +76,7 @@ def test_gpu_float32_matches_float64_reference(mode, reduction, options, seed):
     x, w, b, t = (a.astype(np.float32) if a.dtype == np.float64 else a for a in lce_problem(
         2500, 64, 1000, True, options.get("ignore_index", -100), seed))
     dy = np.random.default_rng(seed).random(() if reduction != "none" else t.shape) + 0.5
-    with tf.device(_tf_device("cuda")):
+    with tf.device(tf_device("cuda")):
         params, target = [tf.constant(a) for a in (x, w, b)], tf.constant(t)
 
         def run(*p):
@@ -104,7 +98,7 @@ def test_close_to_torch(dtype, device):
     x, w, b, t = lce_problem(300, 32, 200, True)
     tdt = getattr(torch, dtype)
     rounded = [torch.tensor(a).to(tdt) for a in (x, w, b)]
-    with tf.device(_tf_device(device)):
+    with tf.device(tf_device(device)):
         params = [tf.constant(r.float().numpy(), getattr(tf, dtype)) for r in rounded]
         loss, grads = _value_and_grads(
             lambda x, w, b: linear_cross_entropy(x, w, tf.constant(t, tf.int32), linear_bias=b,
