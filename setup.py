@@ -63,10 +63,15 @@ class BuildWithFrameworks(BuildExtension):
         # the checkout's copy is the one that may already be up to date.
         target = Path(self.get_ext_fullpath(ext.name))
         in_tree = ROOT / "fusedlayers" / target.name
+        # csrc, compiled once into the archive the TF and JAX libraries link too
+        archive = _sources.csrc_archive(cuda, sm90, gemm=True,
+                                        abi=int(torch._C._GLIBCXX_USE_CXX11_ABI),
+                                        archs=os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
+                                        verbose=self.verbose > 1)
         digest = _sources.sources_digest(
             repr((torch.__version__, cuda, os.environ.get("TORCH_CUDA_ARCH_LIST"),
-                  ext.extra_compile_args, ext.extra_link_args)),
-            [*(ROOT / s for s in ext.sources), *(ROOT.glob(_sources.SM90_GLOB) if sm90 else ())])
+                  ext.extra_compile_args, ext.extra_link_args, archive.name)),
+            [ROOT / s for s in ext.sources])
         built = not _sources.up_to_date(in_tree, digest)
         if not built:
             print(f"fusedlayers: {target.name} is up to date (built from these sources and flags)")
@@ -74,9 +79,7 @@ class BuildWithFrameworks(BuildExtension):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(in_tree, target)
         else:
-            if sm90:  # nvcc flags of their own (sm_90a, CUTLASS's headers): linked as objects
-                ext.extra_objects = [str(o) for o in _sources.compile_sm90(
-                    Path(self.build_temp) / "sm90", verbose=self.verbose > 1)]
+            ext.extra_objects = [str(archive)]
             super().build_extension(ext)
             _sources.record_build(in_tree, digest)
         self.summary.append(f"torch extension: {_built(built)}, "
@@ -92,7 +95,7 @@ def _built(built: bool) -> str:
 
 cuda, why = _sources.use_cuda("torch", torch.version.cuda, CUDA_HOME, os.environ)
 print(f"fusedlayers: {'building' if cuda else 'not building'} the CUDA kernels ({why})")
-sources = [str(p.relative_to(ROOT)) for p in _sources.torch_sources(ROOT, cuda)]
+sources = [str(p.relative_to(ROOT)) for p in _sources.torch_sources(ROOT)]
 openmp = _sources.torch_openmp_flags(torch.backends.openmp.is_available())
 sm90, sm90_why = False, "no CUDA build"
 if cuda:
@@ -100,12 +103,10 @@ if cuda:
     sm90, sm90_why = _sources.sm90_build(os.environ["TORCH_CUDA_ARCH_LIST"])
     print(f"fusedlayers: {'building' if sm90 else 'not building'} the Hopper grouped GEMM "
           f"({sm90_why})")
-    defines = [_sources.CUDA_DEFINE, *([_sources.SM90_DEFINE] if sm90 else [])]
     extension = CUDAExtension(
         "fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
         libraries=list(_sources.CUDA_LIBRARIES), extra_link_args=openmp,
-        extra_compile_args={"cxx": [*_sources.CXX_FLAGS, *openmp, *defines],
-                            "nvcc": [*_sources.NVCC_FLAGS, *defines]})
+        extra_compile_args=[*_sources.CXX_FLAGS, *openmp, _sources.CUDA_DEFINE])
 else:
     extension = CppExtension("fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
                              extra_compile_args=[*_sources.CXX_FLAGS, *openmp],

@@ -3,12 +3,12 @@ of the TensorFlow op library, shared by setup.py and the just-in-time builds so 
 disagree, and the command that builds them. Imports no framework."""
 
 import concurrent.futures
+import functools
 import hashlib
 import importlib.util
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from .errors import NotBuiltError
@@ -25,10 +25,13 @@ BUILD_COMMAND = "pip install --no-build-isolation -e ."
 CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi"]
 # -warn-spills: ptxas says which kernels spill registers (output shown where a build prints it).
 NVCC_FLAGS = ["-O3", "-std=c++17", "-Xptxas", "-warn-spills"]
-# A folder where nvcc's objects are kept by the hash of their command, source and headers, when
-# set: a second build of the same kernels copies them (CI compiles every kernel once, for its
-# check that each compiles and for the TensorFlow GPU library's test).
+# Where csrc's objects are kept, by the hash of their command, compiler, source and csrc's
+# headers (default: build/objects in the checkout): every library of a build, and every later
+# build of the same sources and flags, takes them from there instead of compiling them again.
 OBJECT_CACHE = "FUSEDLAYERS_OBJECT_CACHE"
+# The C++ standard library ABI csrc is compiled for where no framework names one (jaxlib's FFI
+# is C across the boundary): GCC's default.
+DEFAULT_CXX11_ABI = 1
 
 
 def torch_openmp_flags(openmp: bool) -> list[str]:
@@ -100,12 +103,21 @@ def sm90_wanted(cuda: bool) -> bool:
 
 
 def is_sm90(src: Path) -> bool:
-    return src.match(SM90_GLOB.split("/")[-1]) and src.parent.name == "csrc"
+    return src.match(SM90_GLOB.split("/")[-1]) and "csrc" in src.parts
 
 
 def cuda_sources(root: Path, sm90: bool) -> list[Path]:
     """csrc's CUDA kernels, the Hopper ones (is_sm90) only with `sm90`."""
-    return [p for p in root.glob("csrc/*.cu") if sm90 or not is_sm90(p)]
+    return [p for p in root.glob("csrc/**/*.cu") if sm90 or not is_sm90(p)]
+
+
+def csrc_sources(root: Path = ROOT, cuda: bool = False, sm90: bool = False,
+                 gemm: bool = True) -> list[Path]:
+    """What csrc_archive compiles: csrc's C++ sources and, with `cuda`, its CUDA kernels (the
+    Hopper ones only with `sm90`); the cuBLASLt sources (GEMM_SOURCES) only with `gemm`."""
+    cu = cuda_sources(root, sm90) if cuda else []
+    return sorted(p for p in [*root.glob("csrc/**/*.cpp"), *cu]
+                  if gemm or p.name not in GEMM_SOURCES)
 
 
 def sm90_nvcc_command(cuda_home: str) -> list[str]:
@@ -114,11 +126,9 @@ def sm90_nvcc_command(cuda_home: str) -> list[str]:
             "-gencode=arch=compute_90a,code=sm_90a"]
 
 
-def torch_sources(root: Path = ROOT, cuda: bool = False, sm90: bool = False) -> list[Path]:
-    """The csrc kernels and the torch binding, compiled together into one library (the Hopper
-    kernels, with `sm90`, are compiled apart: torch_sm90_objects)."""
-    cu = cuda_sources(root, sm90) if cuda else []
-    return sorted([*root.glob("csrc/*.cpp"), *root.glob("backends/torch/*.cpp"), *cu])
+def torch_sources(root: Path = ROOT) -> list[Path]:
+    """The torch binding's sources, compiled into the extension beside csrc_archive's."""
+    return sorted(root.glob("backends/torch/*.cpp"))
 
 
 def use_cuda(framework: str, cuda_version: str | None, cuda_home: str | None,
@@ -169,82 +179,147 @@ def gencode_flags(arch_list: str) -> list[str]:
     return flags
 
 
-def binding_sources(binding: str, root: Path = ROOT, cuda: bool = False,
-                    gemm: bool = False, sm90: bool = False) -> list[Path]:
-    """The csrc kernels and the binding folder backends/<binding>: what the TF op library and
-    the JAX library compile; the cuBLASLt sources (GEMM_SOURCES) only with `gemm`, the Hopper
-    kernels only with `sm90`, never TORCH_ONLY_SOURCES."""
-    suffix = {"tensorflow": "*.cc", "xla": "*.cc"}[binding]
-    cu = cuda_sources(root, sm90) if cuda else []
-    return sorted(p for p in [*root.glob("csrc/*.cpp"), *root.glob(f"backends/{binding}/{suffix}"),
-                              *cu] if (gemm or p.name not in GEMM_SOURCES)
-                  and p.name not in TORCH_ONLY_SOURCES)
+def tensorflow_sources(root: Path = ROOT) -> list[Path]:
+    """The TensorFlow binding and, for its XLA kernels' custom calls, the XLA FFI handlers
+    (but the cuBLASLt ones: GEMM_SOURCES), compiled into the TF op library beside
+    csrc_archive's."""
+    return sorted([*root.glob("backends/tensorflow/*.cc"),
+                   *(p for p in root.glob("backends/xla/*.cc") if p.name not in GEMM_SOURCES)])
 
 
-def tensorflow_sources(root: Path = ROOT, cuda: bool = False, sm90: bool = False) -> list[Path]:
-    """The same csrc kernels, the TensorFlow binding and, for its XLA kernels' custom calls, the
-    XLA FFI handlers, compiled into the TF op library."""
-    return sorted(set(binding_sources("tensorflow", root, cuda, sm90=sm90)) |
-                  {p for p in root.glob("backends/xla/*.cc") if p.name not in GEMM_SOURCES})
+def xla_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
+    """The XLA FFI handlers of the JAX library (the cuBLASLt ones, GEMM_SOURCES, with `cuda`)."""
+    return sorted(p for p in root.glob("backends/xla/*.cc")
+                  if cuda or p.name not in GEMM_SOURCES)
 
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],
-                  cuda: bool, verbose: bool = False, key: str = "") -> bool:
-    """Compiles `sources` in parallel (g++, or nvcc for .cu) and links the shared library
-    `output`. With `cuda`, the CUDA kernels and the toolkit's runtime, linked statically with
-    its symbols kept private (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of
-    its CUDA version, cannot bind ours. Skipped when `output` was built from the same sources,
-    flags and `key` (the framework's version): False then, True when built. Raises
-    NotBuiltError with the failing command."""
+                  cuda: bool, verbose: bool = False, key: str = "",
+                  archive: Path | None = None) -> bool:
+    """Compiles the binding's `sources` in parallel with g++ and links the shared library
+    `output` with csrc's `archive` (csrc_archive). With `cuda`, the toolkit's CUDA runtime,
+    linked statically with its symbols kept private (-Wl,--exclude-libs): a framework's own CUDA
+    runtime symbols, of its CUDA version, cannot bind ours. Skipped when `output` was built from
+    the same sources, flags, archive and `key` (the framework's version): False then, True when
+    built. Raises NotBuiltError with the failing command."""
     if not sources:
         raise NotBuiltError(f"fusedlayers: no sources to build {output.name} under {ROOT}")
-    digest = sources_digest(repr((key, cflags, ldflags, cuda,
-                                  os.environ.get("TORCH_CUDA_ARCH_LIST"))), sources)
+    digest = sources_digest(repr((key, cflags, ldflags, cuda, archive and archive.name)), sources)
     if up_to_date(output, digest):
         print(f"fusedlayers: {output.name} is up to date (built from these sources and flags)")
         return False
-    cflags = ["-O3", "-fPIC", *CXX_FLAGS, f"-I{ROOT}", *cflags]
-    sm90 = any(map(is_sm90, sources))
-    if sm90:
-        cflags.append(SM90_DEFINE)
+    cflags = ["-O3", "-fPIC", *CXX_FLAGS, f"-I{ROOT}", *cflags, *([CUDA_DEFINE] if cuda else [])]
     if cuda:
         cuda_home = find_cuda_home()
         if cuda_home is None:
             raise NotBuiltError("fusedlayers: CUDA requested but no toolkit found; set CUDA_HOME")
-        cflags.append(CUDA_DEFINE)
-        nvcc = nvcc_command(cuda_home, os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS))
-        nvcc_sm90 = sm90_nvcc_command(cuda_home)
-        if sm90:
-            nvcc.append(SM90_DEFINE)
         libdir = next((d for d in (Path(cuda_home) / "lib64",
                                    Path(cuda_home) / "targets/x86_64-linux/lib")
                        if (d / "libcudart_static.a").exists()), Path(cuda_home) / "lib64")
         ldflags = [*ldflags, f"-L{libdir}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread",
                    "-Wl,--exclude-libs,ALL"]
     output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        objects = [Path(tmp) / f"{i}_{src.stem}.o" for i, src in enumerate(sources)]
-
-        def run(cmd):
-            if verbose:
-                print(" ".join(cmd))
-            done = subprocess.run(cmd, capture_output=not verbose, text=True)
-            if done.returncode != 0:  # framework headers warn a lot: output only on failure
-                raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n{done.stderr or ''}")
-
-        def compile_one(pair):
-            src, obj = pair
-            if src.suffix == ".cu":
-                compile_cuda(nvcc_sm90 if is_sm90(src) else nvcc, src, obj, run)
-            else:
-                run(["g++", *cflags, "-c", str(src), "-o", str(obj)])
-
-        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(compile_one, zip(sources, objects)))
-        run(["g++", "-shared", "-o", str(output), *map(str, objects), *ldflags])
+    objects = _parallel(lambda src: compile_cached(["g++", *cflags], src, verbose, key), sources)
+    # the archive after the objects that call into it, before the libraries it calls
+    _run(["g++", "-shared", "-o", str(output), *map(str, objects),
+          *([str(archive)] if archive else []), *ldflags], verbose)
     record_build(output, digest)
     return True
+
+
+def csrc_archive(cuda: bool, sm90: bool, gemm: bool, abi: int, archs: str = "",
+                 gemm_include=(), verbose: bool = False) -> Path:
+    """csrc compiled once into a static archive that every framework's library links: its C++
+    sources with g++ and, with `cuda`, its CUDA kernels with nvcc for the TORCH_CUDA_ARCH_LIST-
+    style `archs` (the Hopper kernels, with `sm90`, for sm_90a with CUTLASS's headers); the
+    cuBLASLt sources only with `gemm` (those with cuBLAS's headers from `gemm_include` where the
+    toolkit has none). `abi`: the C++ library ABI (_GLIBCXX_USE_CXX11_ABI) of the framework that
+    links it. Objects are hidden (-fvisibility=hidden: each library keeps a private copy of what
+    it calls, which another library in the process cannot bind) and kept in the object cache
+    (OBJECT_CACHE), so the libraries of one build, and later builds, compile each once. Returns
+    the archive's path, named by the hash of its objects; raises NotBuiltError with the failing
+    command."""
+    abi_flag = f"-D_GLIBCXX_USE_CXX11_ABI={abi}"
+    defines = [*([CUDA_DEFINE] if cuda else []), *([SM90_DEFINE] if sm90 else [])]
+    cxx = ["g++", "-O3", "-fPIC", *CXX_FLAGS, "-std=c++17", f"-I{ROOT}", abi_flag, *defines]
+    nvcc = nvcc_sm90 = []
+    if cuda:
+        cuda_home = find_cuda_home()
+        if cuda_home is None:
+            raise NotBuiltError("fusedlayers: CUDA requested but no toolkit found; set CUDA_HOME")
+        host = ["-Xcompiler", abi_flag, *([SM90_DEFINE] if sm90 else [])]
+        nvcc = [*nvcc_command(cuda_home, archs), *host]
+        nvcc_sm90 = [*sm90_nvcc_command(cuda_home), *host]
+
+    def command(src: Path) -> list[str]:
+        if src.suffix != ".cu":
+            return cxx
+        if is_sm90(src):
+            return nvcc_sm90
+        return [*nvcc, *(f"-I{d}" for d in gemm_include)] if src.name in GEMM_SOURCES else nvcc
+
+    # the Hopper kernels first: the longest compiles start before the short ones
+    sources = sorted(csrc_sources(ROOT, cuda, sm90, gemm), key=lambda p: not is_sm90(p))
+    objects = _parallel(lambda src: compile_cached(command(src), src, verbose), sources)
+    name = hashlib.sha256(" ".join(o.name for o in objects).encode()).hexdigest()[:24]
+    archive = object_cache() / f"libfusedlayers_csrc_{name}.a"
+    if not archive.exists():
+        tmp = archive.with_suffix(f".{os.getpid()}.tmp")
+        _run(["ar", "rcs", str(tmp), *map(str, objects)], verbose)
+        tmp.replace(archive)  # atomic: a concurrent build sees a whole archive or none
+    return archive
+
+
+def object_cache() -> Path:
+    cache = Path(os.environ.get(OBJECT_CACHE) or ROOT / "build" / "objects")
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
+
+
+def compile_cached(command: list[str], src: Path, verbose: bool = False, key: str = "") -> Path:
+    """The object of `command` -c src, compiled once: kept in the object cache by the hash of
+    the command, the compilers' versions, `key` (a framework's version, whose headers the
+    command reads), the source, csrc's headers and those of the source's backends folder."""
+    headers = [*ROOT.glob("csrc/**/*.h"), *ROOT.glob("csrc/**/*.cuh")]
+    if "backends" in src.parts:
+        headers += src.parent.glob("*.h")
+    digest = hashlib.sha256(repr((command, key, _compiler_version(command[0]),
+                                  _compiler_version("g++"))).encode())
+    for path in [src, *sorted(headers)]:
+        digest.update(path.read_bytes())
+    key = digest.hexdigest()
+    obj = object_cache() / f"{src.stem}_{key[:24]}.o"
+    if not obj.exists():
+        tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+        printed = _run([*command, "-c", str(src), "-o", str(tmp)], verbose)
+        if printed and src.suffix == ".cu":  # ptxas' spill report, where a kernel spills
+            print(f"{src.name}:\n{printed}".rstrip())
+        tmp.replace(obj)  # atomic: a concurrent build sees a whole object or none
+    return obj
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+
+
+def _run(cmd: list[str], verbose: bool = False) -> str:
+    """Runs a build command; its stderr (compiler output: printed only where asked or on
+    failure, as framework headers warn a lot). Raises NotBuiltError with the command."""
+    if verbose:
+        print(" ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n{done.stderr}")
+    if verbose and done.stderr:
+        print(done.stderr)
+    return done.stderr
+
+
+def _parallel(fn, items: list) -> list:
+    with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("MAX_JOBS",
+                                                                  os.cpu_count() or 1))) as pool:
+        return list(pool.map(fn, items))
 
 
 def nvcc_command(cuda_home: str, archs: str, include=()) -> list[str]:
@@ -254,86 +329,11 @@ def nvcc_command(cuda_home: str, archs: str, include=()) -> list[str]:
             CUDA_DEFINE, *gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]
 
 
-def compile_cuda(nvcc: list[str], src: Path, obj: Path, run) -> None:
-    """run(nvcc -c src -o obj), or a copy of the object the same command made from the same
-    source and headers, kept in $FUSEDLAYERS_OBJECT_CACHE (OBJECT_CACHE) where it is set."""
-    cache = os.environ.get(OBJECT_CACHE)
-    kept = Path(cache) / f"{src.stem}_{sources_digest(repr(nvcc), [src])[:24]}.o" if cache \
-        else None
-    if kept is not None and kept.exists():
-        shutil.copyfile(kept, obj)
-        return
-    run([*nvcc, "-c", str(src), "-o", str(obj)])
-    if kept is not None:
-        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(obj, tmp)
-        tmp.replace(kept)  # atomic: a concurrent build sees a whole object or none
-
-
-def compile_sm90(out: Path, verbose: bool = False) -> list[Path]:
-    """Compiles the Hopper kernels (SM90_GLOB) into objects in `out`, in parallel; their paths.
-    For the torch extension, whose other CUDA sources share one set of nvcc flags. Raises
-    NotBuiltError with the failing command."""
-    cuda_home = find_cuda_home()
-    if cuda_home is None:
-        raise NotBuiltError("fusedlayers: no CUDA toolkit found; set CUDA_HOME")
-    out.mkdir(parents=True, exist_ok=True)
-
-    def run(cmd):
-        if verbose:
-            print(" ".join(cmd))
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n{done.stderr}")
-
-    sources = sorted(ROOT.glob(SM90_GLOB))
-    objects = [out / f"{src.stem}.o" for src in sources]
-    jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(lambda p: compile_cuda(sm90_nvcc_command(cuda_home), *p, run),
-                      zip(sources, objects)))
-    return objects
-
-
-def compile_cuda_kernels(archs: str, gemm_include: str, out: Path) -> None:
-    """Compiles every csrc/*.cu into `out` for `archs` (CI's check that each compiles, with
-    ptxas' spill report printed), the cuBLASLt sources (GEMM_SOURCES) with cuBLAS's headers from
-    `gemm_include`, the Hopper kernels (SM90_GLOB) for sm_90a where `archs` has 9.0. Raises
-    NotBuiltError with the first failing command, or where the Hopper kernels should compile
-    and CUTLASS's headers are not found."""
-    cuda_home = find_cuda_home()
-    if cuda_home is None:
-        raise NotBuiltError("fusedlayers: no CUDA toolkit found; set CUDA_HOME")
-    sm90, why = sm90_build(archs)
-    if has_hopper(archs) and not sm90:
-        raise NotBuiltError(f"fusedlayers: the Hopper grouped GEMM cannot compile: {why}")
-
-    def run(cmd):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise NotBuiltError(f"fusedlayers: `{' '.join(cmd)}` failed:\n{done.stderr}")
-        print(f"{Path(cmd[-3]).name}: compiled\n{done.stderr}".strip())
-
-    def compile_one(src: Path):
-        if is_sm90(src):
-            nvcc = sm90_nvcc_command(cuda_home)
-        else:
-            nvcc = nvcc_command(cuda_home, archs, [gemm_include] if src.name in GEMM_SOURCES
-                                else [])
-            nvcc += [SM90_DEFINE] if sm90 else []
-        compile_cuda(nvcc, src, out / f"{src.stem}.o", run)
-
-    jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-    # the Hopper kernels first: the longest compiles start before the short ones
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(compile_one, sorted(cuda_sources(ROOT, sm90), key=lambda p: not is_sm90(p))))
-
-
 def sources_digest(key: str, sources) -> str:
     """sha256 of `key` (versions, flags) and of every source and header a library compiles."""
     digest = hashlib.sha256(key.encode())
-    for src in sorted({*map(Path, sources), *ROOT.glob("csrc/*.h"), *ROOT.glob("csrc/*.cuh"),
-                       *ROOT.glob("backends/*/*.h")}):
+    for src in sorted({*map(Path, sources), *ROOT.glob("csrc/**/*.h"),
+                       *ROOT.glob("csrc/**/*.cuh"), *ROOT.glob("backends/*/*.h")}):
         digest.update(src.read_bytes())
     return digest.hexdigest()
 

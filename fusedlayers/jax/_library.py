@@ -54,14 +54,17 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
     if cuda:
         libdir = Path(_sources.find_cuda_home()) / "lib64"
         libs = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", *libs]
-    return _sources.build_library(output, _sources_of(cuda),
-                           [f"-I{jax.ffi.include_dir()}", "-std=c++17"], libs, cuda, verbose,
-                           key=f"jax {jax.__version__}")
+    # csrc's cuBLASLt GEMMs and, for Hopper, the grouped GEMM's CUTLASS kernels with CUDA
+    archive = _sources.csrc_archive(cuda, _sources.sm90_wanted(cuda), gemm=cuda,
+                                    abi=_sources.DEFAULT_CXX11_ABI, archs=_archs(),
+                                    verbose=verbose)
+    return _sources.build_library(output, _sources.xla_sources(cuda=cuda),
+                                  [f"-I{jax.ffi.include_dir()}", "-std=c++17"], libs, cuda,
+                                  verbose, key=f"jax {jax.__version__}", archive=archive)
 
 
-def _sources_of(cuda: bool) -> list[Path]:
-    """With CUDA: the cuBLASLt handlers and, for Hopper, the grouped GEMM's CUTLASS kernels."""
-    return _sources.binding_sources("xla", cuda=cuda, gemm=cuda, sm90=_sources.sm90_wanted(cuda))
+def _archs() -> str:
+    return os.environ.get("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
 
 
 def _jit_library() -> Path:
@@ -69,8 +72,9 @@ def _jit_library() -> Path:
 
     cuda, _ = cuda_build()
     verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
-    return _sources.jit_library("jax_ops", f"{jax.__version__} cuda={cuda}",
-                                _sources_of(cuda),
+    sources = [*_sources.xla_sources(cuda=cuda),
+               *_sources.csrc_sources(cuda=cuda, sm90=_sources.sm90_wanted(cuda), gemm=cuda)]
+    return _sources.jit_library("jax_ops", f"{jax.__version__} cuda={cuda} {_archs()}", sources,
                                 lambda path: build(path, verbose, cuda))
 
 

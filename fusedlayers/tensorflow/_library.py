@@ -45,10 +45,23 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
               *tf.sysconfig.get_compile_flags(), f"-I{include / 'external/highwayhash'}",
               f"-I{include / 'external/farmhash_archive/src'}", "-DFUSEDLAYERS_XLA_TF",
               "-std=c++17", *(["-DGOOGLE_CUDA=1"] if cuda else [])]
-    sources = _sources.tensorflow_sources(cuda=cuda, sm90=_sources.sm90_wanted(cuda))
-    return _sources.build_library(output, sources, cflags,
-                           [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"], cuda,
-                           verbose, key=f"tensorflow {tf.__version__}")
+    archive = _sources.csrc_archive(cuda, _sources.sm90_wanted(cuda), gemm=False,
+                                    abi=_cxx11_abi(tf.sysconfig.get_compile_flags()),
+                                    archs=_archs(), verbose=verbose)
+    return _sources.build_library(output, _sources.tensorflow_sources(), cflags,
+                                  [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"],
+                                  cuda, verbose, key=f"tensorflow {tf.__version__}",
+                                  archive=archive)
+
+
+def _cxx11_abi(flags: list[str]) -> int:
+    """The _GLIBCXX_USE_CXX11_ABI of TensorFlow's compile flags (GCC's default if unnamed)."""
+    named = [f.split("=", 1)[1] for f in flags if f.startswith("-D_GLIBCXX_USE_CXX11_ABI=")]
+    return int(named[-1]) if named else _sources.DEFAULT_CXX11_ABI
+
+
+def _archs() -> str:
+    return os.environ.get("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
 
 
 def _jit_library() -> Path:
@@ -57,9 +70,9 @@ def _jit_library() -> Path:
 
     cuda, _ = cuda_build()
     verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
-    return _sources.jit_library("tf_ops", f"{tf.__version__} cuda={cuda}",
-                                _sources.tensorflow_sources(cuda=cuda,
-                                                            sm90=_sources.sm90_wanted(cuda)),
+    sources = [*_sources.tensorflow_sources(),
+               *_sources.csrc_sources(cuda=cuda, sm90=_sources.sm90_wanted(cuda), gemm=False)]
+    return _sources.jit_library("tf_ops", f"{tf.__version__} cuda={cuda} {_archs()}", sources,
                                 lambda path: build(path, verbose, cuda))
 
 

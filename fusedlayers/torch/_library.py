@@ -4,7 +4,6 @@ under TORCH_EXTENSIONS_DIR) for kernel work without reinstalling. Failures raise
 
 import importlib.util
 import os
-from pathlib import Path
 
 import torch
 
@@ -17,7 +16,7 @@ def _jit_build() -> None:
     from torch.utils import cpp_extension
 
     cuda, _ = _sources.use_cuda("torch", torch.version.cuda, cpp_extension.CUDA_HOME, os.environ)
-    sources = _sources.torch_sources(cuda=cuda)
+    sources = _sources.torch_sources()
     if not sources:
         raise NotBuiltError(
             f"fusedlayers: FUSEDLAYERS_JIT=1 needs the source checkout, but no sources were found "
@@ -25,18 +24,15 @@ def _jit_build() -> None:
     openmp = _sources.torch_openmp_flags(torch.backends.openmp.is_available())
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCHS)
     sm90 = cuda and _sources.sm90_build(archs)[0]
-    defines = [_sources.CUDA_DEFINE, *([_sources.SM90_DEFINE] if sm90 else [])] if cuda else []
-    # the Hopper kernels take nvcc flags of their own: compiled apart, linked as objects
-    objects = _sources.compile_sm90(Path(cpp_extension._get_build_directory(
-        "fusedlayers_torch", False)) / "sm90") if sm90 else []
+    archive = _sources.csrc_archive(cuda, sm90, gemm=True,
+                                    abi=int(torch._C._GLIBCXX_USE_CXX11_ABI), archs=archs)
     cpp_extension.load(
         name="fusedlayers_torch",
         sources=[str(p) for p in sources],
         extra_include_paths=[str(_sources.ROOT)],
-        extra_cflags=[*_sources.CXX_FLAGS, *openmp, *defines],
-        extra_cuda_cflags=[*_sources.NVCC_FLAGS, *defines],
-        extra_ldflags=[*openmp, *([f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else []),
-                       *map(str, objects)],
+        extra_cflags=[*_sources.CXX_FLAGS, *openmp, *([_sources.CUDA_DEFINE] if cuda else [])],
+        extra_ldflags=[str(archive), *openmp,
+                       *([f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else [])],
         with_cuda=cuda,
         is_python_module=False,
         verbose=os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1",
