@@ -9,16 +9,16 @@ namespace fusedlayers {
 namespace {
 
 constexpr const char* kOp = "linear_cross_entropy";
-// The chunk's size (linear_cross_entropy_chunk_rows): its logits, rows x V, take about the
-// input's size (N x H: Liger-Kernel's bound) or, where that is fewer rows, up to the larger of
-// kChunkWeightShare of the weight's size (dW, as large as W, is held through the loop anyway, so
-// the op's extra memory stays within 1 + kChunkWeightShare of what dW and dX take) and
-// kChunkLogits elements, but no more than kMinChunkRows rows: the number at which the dX GEMM
-// (rows x H outputs) fills the GPU and dW's read-modify-write per chunk is amortized over a GEMM
-// of that depth. A chunk of more than kChunkRowMultiple rows is a multiple of it: the GEMMs'
-// row tiles, which a partial last tile would leave part idle in every chunk.
-constexpr int64_t kMinChunkRows = 2048;
-constexpr double kChunkWeightShare = 1.0 / 3;
+// The chunk's size (linear_cross_entropy_chunk_rows). A chunk's three GEMMs come near the rate
+// of the whole batch's only at thousands of rows (the dX GEMM's rows x H outputs fill the GPU in
+// whole waves; dW's read-modify-write per chunk is amortized over a GEMM of that depth), so
+// chunks are as large as the memory bound allows, up to kMaxChunkRows: a chunk's logits take at
+// most twice the input's size plus half the weight's, so that the op's extra memory (dW, dX and
+// the chunk) stays within 1.5x of Liger-Kernel's (dW, dX and a chunk of the input's size), and
+// at least kChunkLogits (small H, where that bound is a few rows). The rows are split into
+// equal chunks, each a multiple of kChunkRowMultiple rows (the GEMMs' row tiles, which a
+// partial tile would leave part idle in every chunk) where that stays within the bound.
+constexpr int64_t kMaxChunkRows = 4096;
 constexpr int64_t kChunkLogits = int64_t(1) << 24;
 constexpr int64_t kChunkRowMultiple = 128;
 
@@ -82,11 +82,13 @@ LinearCrossEntropySizes linear_cross_entropy_check(const LinearCrossEntropy& a) 
 
 int64_t linear_cross_entropy_chunk_rows(int64_t n, int64_t h, int64_t v) {
   v = std::max<int64_t>(v, 1);
-  const int64_t input_sized = (n * h + v - 1) / v;
-  const int64_t capped = std::max(int64_t(kChunkWeightShare * double(h)), kChunkLogits / v);
-  int64_t chunk = std::max(input_sized, std::min(kMinChunkRows, capped));
-  if (chunk > kChunkRowMultiple) chunk -= chunk % kChunkRowMultiple;
-  return std::max<int64_t>(std::min(n, chunk), 1);
+  n = std::max<int64_t>(n, 1);
+  const int64_t bound = std::max(2 * n * h / v + h / 2, kChunkLogits / v);
+  const int64_t limit = std::max<int64_t>(std::min(kMaxChunkRows, bound), 1);
+  const int64_t chunks = (n + limit - 1) / limit;
+  const int64_t equal = (n + chunks - 1) / chunks;
+  const int64_t tiled = (equal + kChunkRowMultiple - 1) / kChunkRowMultiple * kChunkRowMultiple;
+  return std::min(n, tiled <= limit ? tiled : equal);
 }
 
 void linear_cross_entropy_chunk_check(const TensorRef& logits, const TensorRef& bias,

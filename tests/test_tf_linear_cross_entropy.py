@@ -27,7 +27,7 @@ def _value_and_grads(fn, params, dy):
 @pytest.mark.parametrize("options", LCE_OPTIONS, ids=lambda o: "-".join(o) or "plain")
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_reference(mode, reduction, options, bias, seed):
-    x, w, b, t = lce_problem(2500, 13, 41, bias, options.get("ignore_index", -100), seed)
+    x, w, b, t = lce_problem(4500, 13, 41, bias, options.get("ignore_index", -100), seed)
     params = [tf.constant(a) for a in (x, w) + ((b,) if bias else ())]
     dy = np.random.default_rng(seed).random(() if reduction != "none" else t.shape) + 0.5
 
@@ -74,7 +74,7 @@ def test_gpu_float32_matches_float64_reference(mode, reduction, options, seed):
     """On TensorFlow's GPU (the csrc CUDA chunk pass around TF's matmuls; under XLA, its custom
     call around XLA's dots), float32 against the float64 reference of the same float32 values."""
     x, w, b, t = (a.astype(np.float32) if a.dtype == np.float64 else a for a in lce_problem(
-        2500, 64, 1000, True, options.get("ignore_index", -100), seed))
+        4500, 64, 1000, True, options.get("ignore_index", -100), seed))
     dy = np.random.default_rng(seed).random(() if reduction != "none" else t.shape) + 0.5
     with tf.device(tf_device("cuda")):
         params, target = [tf.constant(a) for a in (x, w, b)], tf.constant(t)

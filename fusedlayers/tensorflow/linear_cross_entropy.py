@@ -30,8 +30,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
     target integer (...). Returns a scalar, or target's shape for reduction 'none', in input's
     dtype or in `loss_dtype` (a floating dtype: the float32 loss, float64 for float64 input,
     cast to it, never rounded through input's dtype; Keras' LinearCrossEntropy asks for
-    float32). Rows run in chunks (csrc's rule: a chunk's logits about input's size, or up to
-    2048 rows within a third of the weight's size or 2^24 logits); each chunk's logits are
+    float32). Rows run in chunks (csrc's rule: equal chunks of at most 4096 rows whose logits
+    take at most twice input's size plus half the weight's, or 2^24 logits); each chunk's logits are
     TF's matmul in input's dtype, then csrc's pass. With 'mean' or
     'sum' the gradients are formed in the forward pass and scaled by the backward; with 'none'
     the backward recomputes the logits. Raises InvalidArgumentError for a bad argument (csrc's

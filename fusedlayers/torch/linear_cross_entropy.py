@@ -38,8 +38,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     Liger-Kernel's losses are). Under autocast, input, weight and bias are cast to its dtype
     first, as F.linear's are.
     Memory: the gradients of input, weight and bias plus one chunk of logits (rows x V), never
-    N x V: about input's size, or up to 2048 rows within a third of the weight's size or 2^24
-    logits (csrc's rule). With reduction 'mean' or 'sum' and an argument requiring grad, the gradients are
+    N x V: equal chunks of at most 4096 rows whose logits take at most twice input's size plus
+    half the weight's, or 2^24 logits (csrc's rule). With reduction 'mean' or 'sum' and an argument requiring grad, the gradients are
     computed during the forward and scaled in the backward (three GEMMs in all); with 'none'
     the backward recomputes the logits (four).
 
