@@ -71,6 +71,16 @@ def check(op: str, *arguments) -> None:
         raise (TypeError if kind == 2 else ValueError)(message)
 
 
+def platform_dependent(like, *, default, cuda):
+    """jax.lax.platform_dependent(default=default, cuda=cuda), with `like` (an array the call
+    computes on) choosing the branch where it is a concrete array: eagerly, JAX picks the
+    default backend's branch, whose CUDA-only custom calls cannot compile for arrays placed on
+    the CPU of a machine with a GPU."""
+    if not isinstance(like, jax.core.Tracer) and hasattr(like, "devices"):
+        return (cuda if {d.platform for d in like.devices()} == {"gpu"} else default)()
+    return jax.lax.platform_dependent(default=default, cuda=cuda)
+
+
 def _varying(t) -> set:
     """The shard_map axes over which t varies (none outside shard_map)."""
     if t is None:

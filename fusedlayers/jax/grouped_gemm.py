@@ -94,7 +94,7 @@ def grouped_linear(x, weight, offsets, transposed: bool, gemm: str | None = None
         return ours() if gemm == "fusedlayers" else framework()
     if not _hopper(x, weight, transposed):
         return framework()
-    return jax.lax.platform_dependent(default=framework, cuda=ours)
+    return _op.platform_dependent(x, default=framework, cuda=ours)
 
 
 def _hopper(x, weight, transposed) -> bool:

@@ -33,8 +33,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
     (...). Returns a scalar, or target's shape for reduction 'none', in input's dtype or in
     `loss_dtype` (a floating dtype: the float32 loss, float64 for float64 input, cast to it,
     never rounded through input's dtype; Flax's LinearCrossEntropy asks for float32). Rows run in
-    chunks (csrc's rule: a chunk's logits about input's size, or up to 2048 rows within a third
-    of the weight's size or 2^24 logits); each chunk's logits are
+    chunks (csrc's rule: equal chunks of at most 4096 rows whose logits take at most twice
+    input's size plus half the weight's, or 2^24 logits); each chunk's logits are
     the GEMM's (cuBLASLt's on CUDA, XLA's dot elsewhere) rounded to input's dtype, then csrc's
     pass. With 'mean' or 'sum' the gradients are
     formed in the forward pass of jax.grad / jax.vjp and scaled in the backward; with 'none' the
@@ -86,8 +86,8 @@ def _loop(x, w, b, t, scale, options):
         return _scan(x, w, b, t, scale, options)
     if not _cublaslt() or x.dtype == jnp.float64:
         return scan()
-    return jax.lax.platform_dependent(default=scan,
-                                      cuda=lambda: _cublaslt_loop(x, w, b, t, scale, options))
+    return _op.platform_dependent(x, default=scan,
+                                  cuda=lambda: _cublaslt_loop(x, w, b, t, scale, options))
 
 
 def _cublaslt_loop(x, w, b, t, scale, options):

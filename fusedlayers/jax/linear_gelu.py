@@ -64,7 +64,7 @@ def _by_platform(x2, xla, cublaslt):
     xla()."""
     if not _cublaslt() or x2.dtype == jnp.float64:
         return xla()
-    return jax.lax.platform_dependent(default=xla, cuda=cublaslt)
+    return _op.platform_dependent(x2, default=xla, cuda=cublaslt)
 
 
 def _gemm_workspace(backward: bool):
