@@ -9,9 +9,13 @@
 //            (wgrad): dW_g = x[rows of g]^T @ dy[rows of g]   (zeros for a group with no rows)
 // W_g is (n, k), nn.Linear's (out, in), or (k, n) with `transposed` (transformers'
 // is_transposed experts), and dweight has weight's layout. Rows past offsets[num_groups - 1]
-// (routed pairs that reach no expert) get zeros in y and dx. Offsets are clamped to [0, rows]
-// and each to at least the one before it, so invalid offsets give wrong values but never a read
-// or write outside the tensors.
+// (routed pairs that reach no expert) get zeros in y and dx. Offsets must be row ends: none
+// negative, none before the one before it, none past rows. Where they are in host memory (the
+// CPU passes; a binding that copies them to the device, grouped_gemm_offsets_to_device) they are
+// checked (grouped_gemm_offsets_check: an Error of kind kValue naming offsets); on the device
+// they are read by the kernels, which clamp them to [0, rows] and each to at least the one
+// before it, so invalid offsets there give wrong values but never a read or write outside the
+// tensors.
 //
 // Products accumulate in float32 (float64 for float64) and are rounded once to x's dtype;
 // deterministic (no split over k: a product's sum has one order). The contract, for every
@@ -97,9 +101,14 @@ void grouped_gemm_forward_cuda(const GroupedGemmForward& a, const GroupedGemmSha
 void grouped_gemm_backward_cuda(const GroupedGemmBackward& a, const GroupedGemmShape& s,
                                 cudaStream_t stream);
 size_t grouped_gemm_workspace_size_cuda(const GroupedGemmShape& s, DType dtype);
-// Copies `groups` offsets from host memory to `device` on `stream`, for a binding whose
-// framework keeps int32 inputs of GPU ops on the host (TensorFlow).
-void grouped_gemm_offsets_to_device(int32_t* device, const int32_t* host, int64_t groups,
-                                    cudaStream_t stream);
+// Raises an Error of kind kValue naming op's offsets unless the `groups` host-memory offsets
+// are row ends of `rows` rows (above).
+void grouped_gemm_offsets_check(const char* op, const int32_t* offsets, int64_t groups,
+                                int64_t rows);
+// Checks (grouped_gemm_offsets_check) and copies `groups` offsets from host memory to `device`
+// on `stream`, for a binding whose framework keeps int32 inputs of GPU ops on the host
+// (TensorFlow).
+void grouped_gemm_offsets_to_device(const char* op, int32_t* device, const int32_t* host,
+                                    int64_t groups, int64_t rows, cudaStream_t stream);
 
 }  // namespace fusedlayers

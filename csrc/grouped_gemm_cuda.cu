@@ -187,8 +187,9 @@ size_t grouped_gemm_workspace_size_cuda(const GroupedGemmShape& s, DType dtype) 
   return 0;
 }
 
-void grouped_gemm_offsets_to_device(int32_t* device, const int32_t* host, int64_t groups,
-                                    cudaStream_t stream) {
+void grouped_gemm_offsets_to_device(const char* op, int32_t* device, const int32_t* host,
+                                    int64_t groups, int64_t rows, cudaStream_t stream) {
+  grouped_gemm_offsets_check(op, host, groups, rows);
   cuda::check(cudaMemcpyAsync(device, host, groups * sizeof(int32_t), cudaMemcpyHostToDevice,
                               stream),
               "grouped_gemm: copying offsets to the device");

@@ -79,9 +79,30 @@ GroupedProduct grouped_gemm_wgrad(const GroupedGemmBackward& a, const GroupedGem
   return p;
 }
 
+void grouped_gemm_offsets_check(const char* op, const int32_t* offsets, int64_t groups,
+                                int64_t rows) {
+  int64_t before = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t end = offsets[g];
+    if (end < before || end > rows)
+      arg_error(op, "offsets must be the groups' row ends, each in [" + num(before) + ", " +
+                        num(rows) + "] (at least the one before it, at most x's rows), got "
+                        "offsets[" + num(g) + "] = " + num(end));
+    before = end;
+  }
+}
+
 namespace {
 
+void forward_cpu(const GroupedGemmForward& a, const GroupedGemmShape& s, const Exec& exec) {
+  grouped_gemm_offsets_check("grouped_gemm", static_cast<const int32_t*>(a.offsets.data),
+                             s.groups, s.rows);
+  grouped_product_cpu(grouped_gemm_fprop(a, s), a.x.dtype, exec.parallel_for);
+}
+
 void backward_cpu(const GroupedGemmBackward& a, const GroupedGemmShape& s, const Exec& exec) {
+  grouped_gemm_offsets_check("grouped_gemm_backward",
+                             static_cast<const int32_t*>(a.offsets.data), s.groups, s.rows);
   if (a.dx) grouped_product_cpu(grouped_gemm_dgrad(a, s), a.x.dtype, exec.parallel_for);
   if (a.dweight) grouped_product_cpu(grouped_gemm_wgrad(a, s), a.x.dtype, exec.parallel_for);
 }
@@ -111,9 +132,8 @@ size_t grouped_gemm_workspace_size(const GroupedGemmShape& s, DType dtype, const
 
 void grouped_gemm_forward(const GroupedGemmForward& a, const GroupedGemmShape& s,
                           const Exec& exec) {
-  FUSEDLAYERS_ON_DEVICE(
-      exec, grouped_product_cpu(grouped_gemm_fprop(a, s), a.x.dtype, exec.parallel_for),
-      grouped_gemm_forward_cuda(a, s, exec.stream));
+  FUSEDLAYERS_ON_DEVICE(exec, forward_cpu(a, s, exec),
+                        grouped_gemm_forward_cuda(a, s, exec.stream));
 }
 
 void grouped_gemm_backward(const GroupedGemmBackward& a, const GroupedGemmShape& s,

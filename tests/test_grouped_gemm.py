@@ -6,6 +6,8 @@ every framework's argument errors, JAX under jit, a sharded jit and shard_map, a
 Hopper kernels and the tiled kernel against the loop and torch's grouped_mm (edges: groups
 smaller than a tile, unaligned data, graph capture)."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -100,14 +102,56 @@ def test_empty_groups_and_tail_are_zeros(rng):
     assert torch.all(dw[0] == 0) and torch.all(dw[2] == 0) and torch.any(dw[1] != 0)
 
 
-def test_invalid_offsets_stay_in_bounds(rng):
-    """Decreasing or out-of-range offsets are clamped: no error, nothing outside y written (the
-    values are unspecified, the shapes and the tail's zeros hold)."""
-    x, w, _, _ = problem(rng, (3, 3), 0, 4, 5, False, torch.float32, "cpu")
-    y = fl.grouped_gemm(x, w, torch.tensor([4, 2], dtype=torch.int32))
+# Offsets that are not row ends of 6 rows: decreasing, negative, past x's rows; the message
+# names the first bad one.
+BAD_OFFSETS = [([4, 2], "offsets[1] = 2"), ([-3, 6], "offsets[0] = -3"),
+               ([3, 100], "offsets[1] = 100")]
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow", "jax"])
+@pytest.mark.parametrize("offsets,bad", BAD_OFFSETS, ids=["decreasing", "negative", "past"])
+def test_invalid_host_offsets_raise(framework, offsets, bad, rng):
+    """Where the offsets are in host memory (the CPU passes, forward and backward) they are
+    checked: csrc's error naming offsets, in every framework (JAX: raised from the compiled
+    computation, which carries csrc's message)."""
+    x, w, dy, _ = problem(rng, (3, 3), 0, 4, 5, False, torch.float32, "cpu")
+    offsets = np.array(offsets, np.int32)
+    message = rf"grouped_gemm(_backward)?: offsets must be the groups' row ends.*{re.escape(bad)}"
+    if framework == "torch":
+        with pytest.raises(ValueError, match=message):
+            fl.grouped_gemm(x, w, torch.from_numpy(offsets))
+        with pytest.raises(ValueError, match=message):
+            torch.ops.fusedlayers.grouped_gemm_backward(dy, x, w, torch.from_numpy(offsets),
+                                                        False, [True, True])
+    elif framework == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+        xt, wt = tf.constant(x.numpy()), tf.constant(w.numpy())
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            fl.grouped_gemm(xt, wt, tf.constant(offsets))
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message), tf.GradientTape() as tape:
+            tape.watch(xt)
+            tape.gradient(fl.grouped_gemm(xt, wt, tf.constant(offsets)), xt)
+    else:
+        import jax
+        import jax.numpy as jnp
+        args = jax.device_put((jnp.asarray(x.numpy()), jnp.asarray(w.numpy()),
+                               jnp.asarray(offsets)), jax.devices("cpu")[0])
+        with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+            jax.block_until_ready(fl.grouped_gemm(*args))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_invalid_offsets_stay_in_bounds(rng):
+    """On the device the offsets are read by the kernels, where invalid ones are clamped: no
+    error, nothing outside y written (the values are unspecified, the shapes and the tail's
+    zeros hold)."""
+    x, w, _, _ = problem(rng, (3, 3), 0, 4, 5, False, torch.float32, "cuda")
+    y = fl.grouped_gemm(x, w, torch.tensor([4, 2], dtype=torch.int32, device="cuda"))
     assert y.shape == (6, 5) and torch.all(y[4:] == 0)
-    y = fl.grouped_gemm(x, w, torch.tensor([-3, 100], dtype=torch.int32))
-    assert torch.allclose(y, loop64(x, w, torch.tensor([0, 6]), False).float(), atol=1e-5)
+    y = fl.grouped_gemm(x, w, torch.tensor([-3, 100], dtype=torch.int32, device="cuda"))
+    assert torch.allclose(y.cpu(), loop64(x, w, torch.tensor([0, 6]), False).float().cpu(),
+                          atol=1e-5)
 
 
 def test_gradcheck_and_opcheck(rng):

@@ -46,25 +46,25 @@ REGISTER_OP("FusedlayersGroupedGemmGrad")
     .Doc("dx (dgrad) and dweight (wgrad) of FusedlayersGroupedGemm.");
 
 // offsets (int32) as csrc reads them: the host tensor on the CPU; on the GPU a device copy in
-// `temp`. The caller sets their sizes.
+// `temp` (csrc checks the host values as it copies them).
 template <bool kGpu>
-bool offsets_ref(OpKernelContext* ctx, const Tensor& host, Tensor* temp, IndexRef* out) {
-  *out = {host.tensor_data().data(), IndexType::kInt32, {}};
+bool offsets_on_device(OpKernelContext* ctx, const char* op, int64_t rows, Tensor* temp,
+                       IndexRef* offsets) {
 #if GOOGLE_CUDA
   if constexpr (kGpu) {
-    const int64_t groups = host.NumElements();
+    const int64_t groups = offsets->sizes.size ? offsets->sizes[0] : 0;
     if (!groups) return true;
-    if (!allocate_workspace(ctx, host.TotalBytes(), temp)) return false;
+    if (!allocate_workspace(ctx, groups * sizeof(int32_t), temp)) return false;
     int32_t* device = static_cast<int32_t*>(mutable_ptr(temp));
     if (!call_csrc(ctx, [&] {
-          grouped_gemm_offsets_to_device(device, static_cast<const int32_t*>(out->data), groups,
-                                         gpu_stream(ctx));
+          grouped_gemm_offsets_to_device(op, device, static_cast<const int32_t*>(offsets->data),
+                                         groups, rows, gpu_stream(ctx));
         }))
       return false;
-    out->data = device;
+    offsets->data = device;
   }
 #else
-  (void)ctx, (void)temp;
+  (void)ctx, (void)op, (void)rows, (void)temp, (void)offsets;
 #endif
   return true;
 }
@@ -89,10 +89,12 @@ class ForwardOp : public Base {
     const auto offsets_dims = offsets.shape().dim_sizes();
     Tensor device_offsets, workspace;
     GroupedGemmForward a{*x, *weight, {}, transposed_};
-    if (!offsets_ref<kGpu>(ctx, offsets, &device_offsets, &a.offsets)) return;
-    a.offsets.sizes = {offsets_dims.data(), static_cast<int64_t>(offsets_dims.size())};
+    a.offsets = {offsets.tensor_data().data(), IndexType::kInt32,
+                 {offsets_dims.data(), static_cast<int64_t>(offsets_dims.size())}};
     GroupedGemmShape s;
     if (!call_csrc(ctx, [&] { s = grouped_gemm_forward_check(a); })) return;
+    if (!offsets_on_device<kGpu>(ctx, "grouped_gemm", s.rows, &device_offsets, &a.offsets))
+      return;
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({s.rows, s.n}), &y));
     a.y = mutable_ptr(y);
@@ -115,10 +117,13 @@ class GradOp : public Base {
     const auto offsets_dims = offsets.shape().dim_sizes();
     Tensor device_offsets, workspace;
     GroupedGemmBackward a{*dy, *x, *weight, {}, transposed_};
-    if (!offsets_ref<kGpu>(ctx, offsets, &device_offsets, &a.offsets)) return;
-    a.offsets.sizes = {offsets_dims.data(), static_cast<int64_t>(offsets_dims.size())};
+    a.offsets = {offsets.tensor_data().data(), IndexType::kInt32,
+                 {offsets_dims.data(), static_cast<int64_t>(offsets_dims.size())}};
     GroupedGemmShape s;
     if (!call_csrc(ctx, [&] { s = grouped_gemm_backward_check(a); })) return;
+    if (!offsets_on_device<kGpu>(ctx, "grouped_gemm_backward", s.rows, &device_offsets,
+                                 &a.offsets))
+      return;
     Tensor *dx = nullptr, *dweight = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(1).shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ctx->input(2).shape(), &dweight));
