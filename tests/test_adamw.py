@@ -1,9 +1,10 @@
 """fusedlayers.torch.AdamW against torch.optim.AdamW (float64, every option), against a float64
 reference with the stored values rounded to their dtypes (16-bit parameters, master weights,
 16-bit moments), state_dict round trips both ways, AMP's grad_scale / found_inf, gradient-norm
-clipping, the errors, CUDA graph capture and FSDP2 on two gloo processes."""
+clipping, the errors, CUDA graph capture, FSDP2 on two gloo processes and HSDP on four."""
 
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -409,7 +410,10 @@ FSDP_SCRIPT = textwrap.dedent("""
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
     ours, ref = model(), model()
-    mesh = init_device_mesh("cpu", (2,))  # on the CPU also where CUDA is present
+    # FSDP2 over (2,), HSDP over (2, 2): replicated over the first dim, sharded over the second;
+    # on the CPU also where CUDA is present
+    shape = tuple(map(int, sys.argv[2].split("x")))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     for m in (ours, ref):
         for layer in m:
             if isinstance(layer, torch.nn.Linear):
@@ -435,13 +439,18 @@ FSDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_fsdp2_two_processes(tmp_path):
+@pytest.mark.parametrize("mesh", ["2", "2x2"], ids=["fsdp2", "hsdp"])
+def test_fsdp2_processes(mesh, tmp_path):
+    """max_grad_norm's norm and the update under FSDP2 (two processes) and HSDP (four: two
+    replicas of two shards, where the sums of squares add over the shards only) as
+    torch.optim.AdamW's after clip_grad_norm_ on the same sharded model."""
     script = tmp_path / "fsdp_adamw.py"
     script.write_text(FSDP_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                             "2", str(script), str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, env=env)
+    procs = math.prod(map(int, mesh.split("x")))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", str(procs), str(script), str(tmp_path), mesh],
+                            capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()  # both ranks got there
+    assert all((tmp_path / f"ok{r}").exists() for r in range(procs))  # every rank got there

@@ -11,6 +11,7 @@ moments and masters float32, and makes a master from the parameter where a check
 """
 
 import torch
+import torch.distributed as dist
 
 from . import _op
 
@@ -95,6 +96,12 @@ class AdamW(torch.optim.Optimizer):
         weights. Under gradient accumulation the gradients sum in bf16."""
         masters = {}
         for p in model.parameters():
+            if hasattr(p, "device_mesh"):
+                raise ValueError(
+                    "fusedlayers.adamw: with_master_weights casts parameters in place, which "
+                    "FSDP2's sharded parameters (DTensor) do not allow; cast the model to bfloat16 "
+                    "before fully_shard and pass master_weights=True to AdamW (the masters then "
+                    "start from the bfloat16 values)")
             if p.dtype == torch.float32:
                 masters[p] = p.detach().clone()
                 p.data = p.data.to(dtype)
@@ -157,25 +164,33 @@ class AdamW(torch.optim.Optimizer):
         return tables
 
     def _sumsq(self, tables):
-        """The sum of squares of every gradient (all groups, devices and shards), per device."""
-        grads, mesh = {}, None
-        for group, by_device in tables:
-            for device, t in by_device.items():
-                grads.setdefault(device, []).extend(t["grads"])
+        """The sum of squares of every gradient (all groups, devices and shards), per device.
+        A DTensor gradient's local sums are summed over the mesh dimensions it is sharded on
+        (FSDP2's shards; HSDP's replicas hold the same values and are not added again)."""
+        grads = {}  # (mesh, the mesh dims the gradient is sharded on) -> device -> local grads
+        for group, _ in tables:
             for p in group["params"]:
-                if p.grad is not None and hasattr(p, "device_mesh"):
-                    mesh = p.device_mesh
-        sums = {d: _op.handle("adamw_grad_sumsq")(g, g[0]) for d, g in grads.items() if g}
+                if p.grad is None:
+                    continue
+                key = None
+                if hasattr(p.grad, "device_mesh"):
+                    dims = tuple(i for i, pl in enumerate(p.grad.placements) if pl.is_shard())
+                    key = (p.grad.device_mesh, dims) if dims else None
+                local = _local(p.grad)
+                grads.setdefault(key, {}).setdefault(local.device, []).append(local)
+        sumsq = _op.handle("adamw_grad_sumsq")
+        sums = {}
+        for key, by_device in grads.items():
+            for device, g in by_device.items():
+                s = sumsq(g, g[0])
+                if key is not None:
+                    mesh, dims = key
+                    for dim in dims:
+                        dist.all_reduce(s, group=mesh.get_group(dim))
+                sums[device] = s if device not in sums else sums[device] + s
         if len(sums) > 1:
             total = sum(s.to(next(iter(sums)), non_blocking=True) for s in sums.values())
             sums = {d: total.to(d, non_blocking=True) for d in sums}
-        if mesh is not None:
-            if mesh.ndim != 1:
-                raise NotImplementedError("fusedlayers.adamw: max_grad_norm takes DTensor "
-                                          "parameters sharded over a 1-D device mesh")
-            import torch.distributed as dist
-            for s in sums.values():
-                dist.all_reduce(s, group=mesh.get_group())
         return sums
 
     @property
