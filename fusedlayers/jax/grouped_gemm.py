@@ -22,7 +22,9 @@ def grouped_gemm(x, weight, offsets, *, transposed: bool = False) -> jax.Array:
     the rows [offsets[g - 1], offsets[g]) (offsets as moe_permute returns them; rows past the
     last end get zeros), W_g = weight[g] of shape (n, k) (nn.Linear's (out, in)) or (k, n) with
     transposed. x (rows, k), weight (num_groups, n, k) or (num_groups, k, n), one dtype of
-    float32/float64/float16/bfloat16; offsets (num_groups,) int32. Returns y (rows, n) in x's
+    float32/float64/float16/bfloat16; offsets (num_groups,) int32, row ends (each at least the one
+    before it, at most x's rows: on the CPU a bad one fails the computation with csrc's message
+    naming offsets; on CUDA the kernels clamp them). Returns y (rows, n) in x's
     dtype, accumulated in float32 (float64 for float64): on CUDA the Hopper kernels (CUTLASS's
     sm90 grouped GEMM) where they take the operands (bfloat16, k and n multiples of 8), else a
     tiled kernel; on the CPU a loop. Differentiable in x and weight (the dgrad and the wgrad,

@@ -18,8 +18,10 @@ __all__ = ["grouped_gemm"]
 def grouped_gemm(x, weight, offsets, *, transposed: bool = False) -> tf.Tensor:
     """y[rows of g] = x[rows of g] @ W_g, as fusedlayers.torch.grouped_gemm: x (rows, k),
     weight (num_groups, n, k), or (num_groups, k, n) transposed, one dtype; offsets
-    (num_groups,) int32, the groups' row ends (moe_permute's). Returns y (rows, n) in x's
-    dtype; rows past the last end are zeros. Differentiable in x and weight."""
+    (num_groups,) int32, the groups' row ends (moe_permute's; each at least the one before it, at
+    most x's rows: InvalidArgumentError naming offsets otherwise, except under XLA on the GPU,
+    whose kernels clamp them). Returns y (rows, n) in x's dtype; rows past the last end are
+    zeros. Differentiable in x and weight."""
     x, weight = _op.prepare("grouped_gemm", x=x, weight=weight)
     offsets = index_tensor("grouped_gemm", "offsets", offsets, int32_only=True)
     return _op.lib.fusedlayers_grouped_gemm(x, weight, offsets, transposed=bool(transposed))

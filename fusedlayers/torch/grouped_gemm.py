@@ -23,7 +23,9 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *
     x: (rows, k). weight: (num_groups, n, k), W_g = weight[g].T as nn.Linear's (out, in), or
     with transposed=True (num_groups, k, n), W_g = weight[g]; one dtype with x, float32, float64,
     float16 or bfloat16. offsets: (num_groups,) int32 on x's device, read there (no host sync:
-    CUDA-graph safe); invalid offsets are clamped, never read or written out of bounds.
+    CUDA-graph safe), each at least the one before it and at most x's rows: on the CPU a bad
+    one raises ValueError naming offsets; on CUDA the kernels clamp them (wrong values, never a
+    read or write out of bounds).
     Returns y (rows, n) in x's dtype, accumulated in float32 (float64 for float64), the same bits
     on every run. On CUDA: CUTLASS's Hopper grouped GEMM (sm90, bfloat16, k and n multiples of 8,
     16-byte aligned data, a build with CUTLASS's headers), else a tiled kernel; on the CPU a
