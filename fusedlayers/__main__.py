@@ -120,14 +120,15 @@ def bench(argv: list[str]) -> int:
                              "--model llama* and qwen3-moe: Liger's patched model, eager")
     parser.add_argument("--no-tensorflow", action="store_true",
                         help="skip the TensorFlow rows (CPU; they run where the op library loads)")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="interleaved rounds: each row is timed once a round, beside the "
-                             "other rows of its case, and reported as the median with the "
-                             "rounds' range; a speedup whose range includes 1.0 is a tie "
-                             "(--model: A/B rounds)")
+    parser.add_argument("--rounds", type=int,
+                        help="interleaved rounds (default 5, 3 with --quick): each row is timed "
+                             "once a round, beside the other rows of its case, and reported as "
+                             "the median with the rounds' range; a speedup whose range includes "
+                             "1.0 is a tie (--model: A/B rounds)")
     parser.add_argument("--reps", type=int,
-                        help="calls per round on the CPU (default 10), loop runs per round "
-                             "under JAX (default 4); on CUDA each round times ~30 ms of calls")
+                        help="calls per round on the CPU (default: as many as take ~30 ms, at "
+                             "least one), loop runs per round under JAX (default 4); on CUDA "
+                             "each round times ~30 ms of calls")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart")
     model = parser.add_argument_group(
@@ -172,6 +173,8 @@ def bench(argv: list[str]) -> int:
     memory.add_argument("--memory-models", default="mlp,bert-base,vit-base,gpt2",
                         help="comma-separated, of mlp and the --model names")
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 5
     if args.optimizer:
         return _bench_optimizer(args)
     if args.framework == "tensorflow":
@@ -210,7 +213,7 @@ def bench(argv: list[str]) -> int:
     else:
         from fusedlayers.bench import ops as b
         rows, ceilings = b.run(device, tuple(args.dtypes.split(",")), args.quick,
-                               not args.no_compile, args.reps or b.CPU_REPS,
+                               not args.no_compile, args.reps,
                                tuple(args.ops.split(",")), args.peers, not args.no_tensorflow,
                                args.rounds, _row_printer(args, name))
         print("== all rows")

@@ -265,6 +265,96 @@ def test_llm_bench_tiny_flax_and_keras_with_a_switch_variant(tmp_path):
     assert all(r["fused_ms"] > 0 and r["first_forward_rel_diff"] <= 1e-5 for r in rows)
 
 
+def test_an_ops_row_that_cannot_run_says_why_in_the_row():
+    """A variant whose warm-up runs out of memory, or a peer's that fails, is a row saying why;
+    the table prints no numbers (no nan) for it. Any other error of our own rows is raised."""
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    def broken():
+        raise RuntimeError("liger: no kernel for this shape")
+
+    x = torch.randn(64, 64)
+    times = bench.time_rounds({"fused": lambda: x + 1, "eager": oom, "liger": broken},
+                              torch.device("cpu"), rounds=2, fallible={"liger"})
+    assert len(times["fused"]) == 2
+    op = fl_ops.OPS[0]
+    rows = [table.row(op, "64x64", "float32", "fwd", impl, ms, 1e6, {"copy_gbs": 1.0})
+            for impl, ms in times.items()]
+    table.per_size_floors(rows, {"copy_gbs": 1.0})
+    table.judge(rows)
+    text = table.format_table(rows, {"copy_gbs": 1.0}, "cpu")
+    assert "nan" not in text.lower()
+    lines = text.splitlines()[4:]  # the rows, after the header
+    assert next(line for line in lines if " eager " in line).endswith(
+        "did not run: out of memory: CUDA out of memory. Tried to allocate 8.00 GiB")
+    assert next(line for line in lines if " liger " in line).endswith(
+        "did not run: RuntimeError: liger: no kernel for this shape")
+    with pytest.raises(RuntimeError, match="no kernel"):
+        bench.time_rounds({"fused": broken}, torch.device("cpu"), rounds=1)
+
+
+def test_interleaved_rounds_rows_that_do_not_fit_say_so():
+    """The JAX and TensorFlow benches' loops: one whose warm-up is out of memory is a row that
+    says so."""
+    def warm_up(loop):
+        loop()
+
+    def too_big():
+        raise MemoryError("RESOURCE_EXHAUSTED: Out of memory allocating 87 GiB")
+
+    times = table.interleaved_rounds({"jax-fused": lambda: None, "jax-xla": too_big}, 2,
+                                     lambda loop: 1.0, warm_up)
+    assert times["jax-fused"] == [1.0, 1.0]
+    row = table.row(fl_ops.OPS[0], "8x8", "float32", "fwd", "jax-xla", times["jax-xla"], 1.0,
+                    {"copy_gbs": 1.0})
+    assert row.not_run.startswith("out of memory: RESOURCE_EXHAUSTED") and row.ms is None
+    assert "did not run: out of memory" in table.format_table([row], {"copy_gbs": 1.0}, "cpu")
+
+
+def test_model_bench_row_that_cannot_run_says_why(monkeypatch):
+    """The unfused model out of memory: its row says so, with the fused model's time."""
+    step = model_bench._Variant.step
+
+    def unfused_out_of_memory(self, inputs):
+        if not hasattr(self.model, "fusedlayers_report"):  # fuse() marks the fused model
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+        return step(self, inputs)
+    monkeypatch.setattr(model_bench._Variant, "step", unfused_out_of_memory)
+    row, = model_bench.run("llama", "cpu", batches=(2,), precisions=("fp32",), modes=("eager",),
+                           rounds=1, steps=1, warmup=1, tiny=True, log=lambda line: None)
+    assert row.unfused_ms is None and row.speedup is None and row.fused_ms > 0
+    text = model_bench.format_row(row)
+    assert "nan" not in text.lower()
+    assert text.endswith("unfused did not run: out of memory: CUDA out of memory. Tried to "
+                         "allocate 3.91 GiB")
+
+
+def test_flax_model_bench_row_that_cannot_run_says_why(monkeypatch):
+    """The Flax bench's unfused step out of memory (XLA's RESOURCE_EXHAUSTED): its row says so."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("flax")
+    from fusedlayers.bench import flax_models
+    train_step = flax_models._train_step
+
+    class OutOfMemory:
+        def lower(self, *args):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                             "allocate 12.5GiB")
+
+    built = []
+
+    def steps(model):  # the unfused model is built first
+        built.append(model)
+        return (OutOfMemory(), None) if len(built) == 1 else train_step(model)
+    monkeypatch.setattr(flax_models, "_train_step", steps)
+    lines = []
+    text = flax_models.run("llama-lm", 2, rounds=1, steps=1, tiny=True, log=lines.append)
+    assert "nan" not in text.lower()
+    assert text.endswith("unfused did not run: out of memory: RESOURCE_EXHAUSTED: Out of "
+                         "memory while trying to allocate 12.5GiB")
+
+
 def test_model_bench_rejects_unknown_precision():
     with pytest.raises(ValueError, match="fp8"):
         model_bench.run("bert-base", "cpu", precisions=("fp8",))

@@ -25,6 +25,8 @@ experts' GEMMs on ragged_dot (gemm="framework"), parts the GEMMs' share from the
 import statistics
 import time
 
+from .table import did_not_run
+
 CONFIGS = {"llama-lm": dict(blocks=16, width=2048, heads=32, kv_heads=8, mlp=5632, vocab=32000,
                             seq=2048),
            "llama-lm-128k": dict(blocks=16, width=2048, heads=32, kv_heads=8, mlp=5632,
@@ -249,7 +251,7 @@ def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=
     rng = np.random.default_rng(0)
     ids = rng.integers(0, config["vocab"], (batch, config["seq"]), np.int32)
     labels = rng.integers(0, config["vocab"], ids.shape, np.int32)
-    first, times, temp = {}, {}, {}
+    first, times, temp, not_run = {}, {}, {}, {}
     variants = {"unfused": dict(fused=False), "fused": dict(fused=True)}
     if moe:
         variants["fused, GEMMs on ragged_dot"] = dict(fused=True, gemm="framework")
@@ -266,8 +268,8 @@ def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=
             state, loss = step(state, ids, labels)  # compile, warm
             loss.block_until_ready()
         except jax.errors.JaxRuntimeError as e:  # RESOURCE_EXHAUSTED: the row says so
-            log(f"{key}: does not run here ({str(e).splitlines()[0][:160]})")
-            times[key], temp[key] = [float("nan")], float("nan")
+            not_run[key] = did_not_run(e)
+            log(f"{key}: did not run: {not_run[key]}")
             del state, step
             continue
         times[key] = []
@@ -281,10 +283,16 @@ def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=
     precision = "bf16 params" if moe else "bf16/f32 params"
     rows = []
     for key in list(variants)[1:]:
+        label = "flax " + name + ("-tiny" if tiny else "") + ("" if key == "fused" else " (b)")
+        lead = f"{label:<22}{batch:>6} {precision:<16}"
+        missing = [k for k in ("unfused", key) if k in not_run]
+        if missing:
+            rows.append(lead + "; ".join(f"{k} did not run: {not_run[k]}" for k in missing))
+            log(rows[-1])
+            continue
         diff = abs(first[key] - first["unfused"]) / abs(first["unfused"])
         u, f = (statistics.median(times[k]) for k in ("unfused", key))
-        label = "flax " + name + ("-tiny" if tiny else "") + ("" if key == "fused" else " (b)")
-        rows.append(f"{label:<22}{batch:>6} {precision:<16}{u:>10.2f}{f:>10.2f}{u / f:>8.2f}x"
+        rows.append(f"{lead}{u:>10.2f}{f:>10.2f}{u / f:>8.2f}x"
                     f"{temp['unfused']:>12.0f}{temp[key]:>10.0f}{diff:>12.1e}")
         log(rows[-1])
     if moe:

@@ -40,6 +40,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from .table import did_not_run, out_of_memory
+
 CONFIGS = {"bert-base": dict(blocks=12, width=768, heads=12, mlp=3072, vocab=30522, seq=512),
            "bert-base-tiny": dict(blocks=2, width=64, heads=4, mlp=256, vocab=1000, seq=64),
            "llama": dict(blocks=4, width=2048, heads=32, kv_heads=8, mlp=5632, vocab=32000,
@@ -67,10 +69,11 @@ class KerasModelRow:
     model: str
     batch: int
     precision: str  # "mixed_bfloat16" or "float32"
-    unfused_ms: float
-    fused_ms: float
-    speedup: float  # unfused_ms / fused_ms
-    first_forward_rel_diff: float
+    unfused_ms: float | None  # None where a model did not run
+    fused_ms: float | None
+    speedup: float | None  # unfused_ms / fused_ms
+    first_forward_rel_diff: float | None
+    not_run: str = ""  # which model did not run, and why
 
 
 def _keras():
@@ -226,28 +229,50 @@ def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = Fa
             else:
                 target = np.zeros((steps * batch, 1), np.float32)  # the loss ignores it
                 inputs = {"unfused": (ids, target), "fused": (ids, target)}
-            unfused = None
+            unfused, unfused_error = None, None
             for variant in variants:
                 keras.utils.set_random_seed(0)
                 previous = os.environ.get("FUSEDLAYERS_JAX_IMPL")
                 os.environ["FUSEDLAYERS_JAX_IMPL"] = variant
+                label = (name if not tiny else f"{name}-tiny") + (f" [{variant}]" if variant
+                                                                   else "")
+                key = "unfused"
                 try:
                     built, fused = _models(name, config)  # the same initial weights
                     diff = _first_forward_diff(built, fused, lm, ids[:batch],
                                                labels[:batch] if lm else None)
-                    if unfused is None:
-                        unfused = built
-                        _compile(unfused, lm, False)
-                        unfused.fit(*inputs["unfused"], batch_size=batch, epochs=1, verbose=0)
+                    if unfused is None and unfused_error is None:
+                        try:
+                            _compile(built, lm, False)
+                            built.fit(*inputs["unfused"], batch_size=batch, epochs=1,
+                                      verbose=0)
+                            unfused = built
+                        except Exception as e:  # noqa: BLE001 (out of memory: the row says so)
+                            if not out_of_memory(e):
+                                raise
+                            unfused_error = did_not_run(e)
+                    key = "fused"
                     _check_program(name, fused, variant, lm, ids[:batch],
                                    labels[:batch] if lm else None)
                     _compile(fused, lm, True)
                     fused.fit(*inputs["fused"], batch_size=batch, epochs=1, verbose=0)  # traced
+                except Exception as e:  # noqa: BLE001 (out of memory: the row says so)
+                    if not out_of_memory(e):
+                        raise
+                    rows.append(KerasModelRow(label, batch, precision, None, None, None, None,
+                                              f"{key} did not run: {did_not_run(e)}"))
+                    log(format_row(rows[-1]))
+                    continue
                 finally:
                     if previous is None:
                         os.environ.pop("FUSEDLAYERS_JAX_IMPL")
                     else:
                         os.environ["FUSEDLAYERS_JAX_IMPL"] = previous
+                if unfused_error is not None:
+                    rows.append(KerasModelRow(label, batch, precision, None, None, None, diff,
+                                              f"unfused did not run: {unfused_error}"))
+                    log(format_row(rows[-1]))
+                    continue
                 times = {"unfused": [], "fused": []}
                 for r in range(rounds):
                     order = (("unfused", unfused), ("fused", fused))
@@ -256,8 +281,6 @@ def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = Fa
                         model.fit(*inputs[key], batch_size=batch, epochs=1, verbose=0)
                         times[key].append(1e3 * (time.perf_counter() - start) / steps)
                 u, f = (statistics.median(times[k]) for k in ("unfused", "fused"))
-                label = (name if not tiny else f"{name}-tiny") + (f" [{variant}]" if variant
-                                                                   else "")
                 row = KerasModelRow(label, batch, precision, u, f, u / f, diff)
                 log(format_row(row))
                 rows.append(row)
@@ -293,8 +316,11 @@ def _check_program(name: str, fused, variant: str, lm: bool, ids, labels) -> Non
 
 
 def format_row(r: KerasModelRow) -> str:
-    return (f"{r.model:<15}{r.batch:>6} {r.precision:<15}{r.unfused_ms:>11.2f}{r.fused_ms:>10.2f}"
-            f"{r.speedup:>8.2f}x{r.first_forward_rel_diff:>14.1e}")
+    lead = f"{r.model:<15}{r.batch:>6} {r.precision:<15}"
+    if r.not_run:
+        return lead + r.not_run
+    return (f"{lead}{r.unfused_ms:>11.2f}{r.fused_ms:>10.2f}{r.speedup:>8.2f}x"
+            f"{r.first_forward_rel_diff:>14.1e}")
 
 
 def write_json(path: str, rows: list[KerasModelRow], device: str) -> None:

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .table import did_not_run, out_of_memory
+
 MODELS = ("bert-base", "vit-base", "gpt2", "llama", "llama-lm", "llama-lm-128k", "qwen3-moe")
 # (host-bound, GPU-bound) batch on an H100, and on the CPU (tiny configs); llama: 4 x 2048 tokens.
 DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64), "llama": (4,),
@@ -63,9 +65,9 @@ class ModelRow:
     # float32 master weights and moments in fusedlayers' AdamW) or "fp32"
     precision: str
     mode: str  # "eager" or "compile"
-    unfused_ms: float
-    fused_ms: float
-    speedup: float  # unfused_ms / fused_ms
+    unfused_ms: float | None  # None where it did not run (not_run says why)
+    fused_ms: float | None
+    speedup: float | None  # unfused_ms / fused_ms
     unfused_gpu_ms: float | None
     fused_gpu_ms: float | None
     fused_ours_gpu_ms: float | None
@@ -75,6 +77,7 @@ class ModelRow:
     # With peers on the Llamas and the MoE: Liger-Kernel's patches on the same model (eager)
     liger_ms: float | None = None
     liger_peak_mb: float | None = None
+    not_run: str = ""  # which variants did not run, and why
 
 
 def build(name: str, tiny: bool, seed: int = 0, layers: int | None = None):
@@ -323,9 +326,18 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                     variants["liger"] = _Variant(liger, dev, precision, mode, distributed,
                                                  around=_liger(liger), opt=opt, adamw=adamw)
                 t_start = time.perf_counter()
-                for v in variants.values():
-                    for _ in range(warmup):  # compiles, autotunes, fills caches
-                        v.step(inputs)
+                not_run = {}
+                for k, v in list(variants.items()):
+                    try:
+                        for _ in range(warmup):  # compiles, autotunes, fills caches
+                            v.step(inputs)
+                    except Exception as e:  # noqa: BLE001 (out of memory: the row says so)
+                        if not out_of_memory(e):
+                            raise
+                        not_run[k] = did_not_run(e)
+                        del variants[k]
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
                 times = {k: [] for k in variants}
                 for r in range(rounds):
                     order = list(variants) if r % 2 == 0 else list(variants)[::-1]
@@ -334,10 +346,13 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                 gpu = {k: v.gpu_ms(inputs) for k, v in variants.items()}
                 peak = {k: v.peak_mb(inputs) for k, v in variants.items()}
                 ms = {k: statistics.median(t) for k, t in times.items()}
-                row = ModelRow(label, batch, precision, mode, ms["unfused"], ms["fused"],
-                               ms["unfused"] / ms["fused"], gpu["unfused"][0], gpu["fused"][0],
-                               gpu["fused"][1], peak["unfused"], peak["fused"], diff,
-                               ms.get("liger"), peak.get("liger"))
+                both = "unfused" in ms and "fused" in ms
+                row = ModelRow(label, batch, precision, mode, ms.get("unfused"), ms.get("fused"),
+                               ms["unfused"] / ms["fused"] if both else None,
+                               *gpu.get("unfused", (None, None))[:1],
+                               *gpu.get("fused", (None, None)), peak.get("unfused"),
+                               peak.get("fused"), diff, ms.get("liger"), peak.get("liger"),
+                               "; ".join(f"{k} did not run: {why}" for k, why in not_run.items()))
                 rows.append(row)
                 log(f"{format_row(row)}   [{time.perf_counter() - t_start:.0f} s]")
                 del variants, unfused, fused, opt
@@ -366,12 +381,14 @@ HEADER = (f"{'model':<10}{'batch':>6} {'precision':<11} {'mode':<8}{'unfused ms'
 
 
 def format_row(r: ModelRow) -> str:
-    return (f"{r.model:<10}{r.batch:>6} {r.precision:<11} {r.mode:<8}{r.unfused_ms:>11.2f}"
-            f"{r.fused_ms:>10.2f}{r.speedup:>7.3f}x{_f(r.unfused_gpu_ms, '11.2f'):>11}"
+    speedup = "-" if r.speedup is None else f"{r.speedup:.3f}x"
+    return (f"{r.model:<10}{r.batch:>6} {r.precision:<11} {r.mode:<8}"
+            f"{_f(r.unfused_ms, '11.2f'):>11}{_f(r.fused_ms, '10.2f'):>10}{speedup:>8}"
+            f"{_f(r.unfused_gpu_ms, '11.2f'):>11}"
             f"{_f(r.fused_gpu_ms, '11.2f'):>11}{_f(r.fused_ours_gpu_ms, '7.2f'):>7}"
             f"{_f(r.unfused_peak_mb, '12.0f'):>12}{_f(r.fused_peak_mb, '12.0f'):>12}"
             f"{r.first_forward_rel_diff:>10.1e}{_f(r.liger_ms, '10.2f'):>10}"
-            f"{_f(r.liger_peak_mb, '10.0f'):>10}")
+            f"{_f(r.liger_peak_mb, '10.0f'):>10}" + (f"  {r.not_run}" if r.not_run else ""))
 
 
 def format_table(rows: list[ModelRow], device_name: str) -> str:
@@ -389,6 +406,7 @@ def plot(path: str, rows: list[ModelRow], device_name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.speedup is not None]  # both variants ran
     labels = [f"{r.model} b{r.batch}\n{r.precision} {r.mode}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
     ax.bar(range(len(rows)), [r.speedup for r in rows],

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from .table import FLOORS, Row, row, shape_name, shapes
+from .table import FLOORS, Row, did_not_run, out_of_memory, row, shape_name, shapes
 
 
 def _graphed(fn):
@@ -80,9 +80,10 @@ def _cuda_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-# Untimed rounds first on the CPU: the heap grows to what every variant needs before any call
-# is timed.
-CPU_WARMUP_ROUNDS = 8
+# On the CPU: untimed rounds first (the heap grows to what every variant needs before any call
+# is timed), then rounds of about CPU_ROUND_MS of calls of each variant (at least one), as on
+# CUDA, unless `reps` fixes the calls per round.
+CPU_WARMUP_ROUNDS, CPU_ROUND_MS = 2, 20
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
@@ -104,40 +105,70 @@ def keep_freed_memory() -> bool:
     return (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) & (mallopt(M_MMAP_MAX, 0) == 1)
 
 
-def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int,
-                uncaptured=frozenset()) -> dict:
-    """Each of fns timed in `rounds` interleaved rounds: name -> each round's ms. In a round
-    every fn is timed once after the other: on CUDA the median of its calls over CUDA_ROUND_MS
-    (reps CUDA-event timed calls without triton); on the CPU `reps` calls, one of each fn in
-    turn, after CPU_WARMUP_ROUNDS untimed ones, the round's median (a floor's, FLOORS of any
-    framework: its fastest call, as a floor bounds the others and a shared host's noise moves a
-    median by more than a GEMM's epilogue costs). On CUDA every fn but those in `uncaptured`
-    (and the copy) is timed as the replay of its CUDA graph. Interleaving makes a host whose
-    speed drifts (shared cores, clock changes) slow every fn alike instead of whichever ran in a
-    slow spell."""
-    times = {name: [] for name in fns}
-    if device.type == "cuda":
-        # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
-        fns = {name: fn if name == "copy" or name in uncaptured else _graphed(fn)
-               for name, fn in fns.items()}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                times[name].append(_cuda_ms(fn, reps))
-        return times
-    for _ in range(CPU_WARMUP_ROUNDS):
-        for fn in fns.values():
-            fn()
-    for _ in range(rounds):
-        calls = {name: [] for name in fns}
-        for _ in range(reps):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
+def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int | None = None,
+                uncaptured=frozenset(), fallible=frozenset()) -> dict:
+    """Each of fns timed in `rounds` interleaved rounds: name -> each round's ms, or, for a fn
+    whose warm-up raised (out of memory; any error of a fn in `fallible`: other libraries'
+    calls, torch.compile of the unfused computation), why it did not run (table.did_not_run). In a round every fn is timed once after the other: on
+    CUDA the median of its calls over CUDA_ROUND_MS (reps CUDA-event timed calls without
+    triton); on the CPU its calls, one of each fn in turn, `reps` of them or as many as fill
+    CPU_ROUND_MS (at least one), after CPU_WARMUP_ROUNDS untimed ones: the round's median (a
+    floor's, FLOORS of any framework: its fastest call, as a floor bounds the others and a
+    shared host's noise moves a median by more than a GEMM's epilogue costs). On CUDA every fn
+    but those in `uncaptured` (and the copy) is timed as the replay of its CUDA graph.
+    Interleaving makes a host whose speed drifts (shared cores, clock changes) slow every fn
+    alike instead of whichever ran in a slow spell."""
+    times, ready = {}, {}
+    for name, fn in fns.items():
+        try:
+            if device.type != "cuda":
+                per_call = []
+                for _ in range(CPU_WARMUP_ROUNDS):
+                    t0 = time.perf_counter()
+                    fn()
+                    per_call.append((time.perf_counter() - t0) * 1e3)
+                calls = reps or max(1, round(CPU_ROUND_MS / min(per_call)))
+                ready[name] = (fn, calls)
+            # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
+            elif name == "copy" or name in uncaptured:
                 fn()
-                calls[name].append((time.perf_counter() - t0) * 1e3)
+                ready[name] = fn
+            else:
+                ready[name] = _graphed(fn)
+        except Exception as e:  # noqa: BLE001 (the row says which error)
+            if not (out_of_memory(e) or name in fallible):
+                raise
+            times[name] = did_not_run(e)
+    times.update({name: [] for name in ready})
+    if device.type == "cuda":
+        for _ in range(rounds):
+            for name, fn in ready.items():
+                times[name].append(_cuda_ms(fn, reps or 10))
+        return times
+    for _ in range(rounds):
+        calls = {name: [] for name in ready}
+        for i in range(max(n for _, n in ready.values())):
+            for name, (fn, n) in ready.items():
+                if i < n:
+                    t0 = time.perf_counter()
+                    fn()
+                    calls[name].append((time.perf_counter() - t0) * 1e3)
         for name, t in calls.items():
             times[name].append(min(t) if name.removeprefix("tf-") in FLOORS
                                else statistics.median(t))
     return times
+
+
+def peak_mib(fn, device: torch.device) -> float | None:
+    """On CUDA: the most memory one call of fn allocates above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def copy_bandwidth_gbs(device: torch.device, rounds: int, reps: int) -> float:
@@ -162,23 +193,28 @@ def gemm_tflops(device: torch.device, dtype: torch.dtype, rounds: int, reps: int
 
 
 def _fwd_bwd(fn, inputs):
-    # made once: the timed region is forward + backward only; one per output (rope has two)
-    out = fn()
-    grad = tuple(map(torch.randn_like, out)) if isinstance(out, tuple) else torch.randn_like(out)
+    """Forward + backward of fn with a gradient for each output (rope has two), made at the
+    first call (a warm-up, where a fn that cannot run raises): the timed calls run the passes
+    only."""
+    grad = []
 
     def run():
-        torch.autograd.grad(fn(), inputs, grad)
+        out = fn()
+        if not grad:
+            grad.append(tuple(map(torch.randn_like, out)) if isinstance(out, tuple)
+                        else torch.randn_like(out))
+        torch.autograd.grad(out, inputs, grad[0])
     return run
 
 
 OPS = ops.NAMES
 
 
-ROUNDS, CPU_REPS = 5, 10  # rounds of every row, and calls per round on the CPU
+ROUNDS = 5  # rounds of every row
 
 
 def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False,
-        compile: bool = True, reps: int = CPU_REPS, op_names=OPS,
+        compile: bool = True, reps: int | None = None, op_names=OPS,
         peers: bool = False, tensorflow: bool = True, rounds: int = ROUNDS,
         on_rows=None) -> tuple[list[Row], dict]:
     """Rows of every op, shape, dtype, pass and variant, and the ceilings measured for them, each
@@ -247,9 +283,12 @@ def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile
             timed[impl] = fn if pass_ == "fwd" else _fwd_bwd(fn, [case.inputs[0], *leaves])
             if pass_ == "fwd":
                 timed[impl] = torch.no_grad()(timed[impl])
-        for impl, ms in time_rounds(timed, dev, rounds, reps, case.uncaptured).items():
+        for impl, ms in time_rounds(timed, dev, rounds, reps, case.uncaptured,
+                                    fallible={*case.uncaptured, "compile"}).items():
             rows.append(row(op, shape, dtype_name, pass_, impl, ms, case.work[pass_],
-                             ceilings))
+                            ceilings))
+            if not rows[-1].not_run:
+                rows[-1].peak_mib = peak_mib(timed[impl], dev)
     return rows
 
 

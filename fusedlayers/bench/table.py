@@ -23,13 +23,17 @@ class Row:
     dtype: str
     pass_: str
     impl: str
-    ms: float  # the median of rounds_ms
-    rate: float  # GB/s or TFLOP/s
+    ms: float | None  # the median of rounds_ms; None where the row did not run
+    rate: float | None  # GB/s or TFLOP/s
     unit: str
-    pct_of_peak: float
+    pct_of_peak: float | None
     rounds_ms: list = field(default_factory=list)  # each round's time, interleaved
     # baseline impl -> {"x": median ratio, "lo", "hi": its range, "tie": lo <= 1 <= hi}
     speedups: dict = field(default_factory=dict)
+    # On CUDA: the most memory one call allocated above what was allocated before it (the
+    # inputs), its outputs and, for forward + backward, the gradients included, in MiB
+    peak_mib: float | None = None
+    not_run: str = ""  # why the row did not run (then it has no times)
 
     def spread_pct(self) -> float:
         """Half the range of the rounds, in % of the median."""
@@ -52,27 +56,44 @@ def shape_name(shape) -> str:
 
 def interleaved_rounds(loops: dict, rounds: int, ms, warm_up) -> dict:
     """name -> each round's ms of loops[name] (ms(loop)), the loops timed in turn each round,
-    after warm_up(loop) ran each once; a loop whose warm-up raises MemoryError does not fit the
-    device: it is left out, and said so."""
-    loops = dict(loops)
+    after warm_up(loop) ran each once; for a loop whose warm-up raises MemoryError (it does not
+    fit the device), why it did not run (did_not_run), which its row shows."""
+    loops, times = dict(loops), {}
     for name, loop in list(loops.items()):
         try:
             warm_up(loop)
         except MemoryError as e:
-            print(f"{name}: does not fit this device ({str(e).splitlines()[0][:120]})",
-                  flush=True)
+            times[name] = did_not_run(e)
             del loops[name]
-    times = {name: [] for name in loops}
+    times.update({name: [] for name in loops})
     for _ in range(rounds):
         for name, loop in loops.items():
             times[name].append(ms(loop))
     return times
 
 
-def row(op, shape: str, dtype_name: str, pass_: str, impl: str, rounds_ms: list, work: float,
-         ceilings: dict) -> Row:
+def out_of_memory(error: BaseException) -> bool:
+    """Whether an error says the device ran out of memory (Python's MemoryError, torch's
+    OutOfMemoryError, XLA's RESOURCE_EXHAUSTED, TensorFlow's ResourceExhaustedError)."""
+    return isinstance(error, MemoryError) or type(error).__name__ in (
+        "OutOfMemoryError", "ResourceExhaustedError") or "RESOURCE_EXHAUSTED" in str(error)
+
+
+def did_not_run(error: BaseException) -> str:
+    """Why a row did not run, from the error its warm-up raised: "out of memory" or the error's
+    type, and the first line of its message."""
+    first = (str(error).strip().splitlines() or [""])[0][:160]
+    return f"{'out of memory' if out_of_memory(error) else type(error).__name__}: {first}"
+
+
+def row(op, shape: str, dtype_name: str, pass_: str, impl: str, rounds_ms: list | str,
+        work: float, ceilings: dict) -> Row:
     """A timing (each round's ms) as a Row: TFLOP/s of the flops, or GB/s of the bytes, the op's
-    case counts, at the median round."""
+    case counts, at the median round; where rounds_ms is a str, the row that did not run and
+    why."""
+    if isinstance(rounds_ms, str):
+        return Row(op.name, shape, dtype_name, pass_, impl, None, None, op.bench_unit, None,
+                   not_run=rounds_ms)
     ms = statistics.median(rounds_ms)
     if op.bench_unit == "TFLOP/s":
         rate, peak = work / ms / 1e9, ceilings[f"gemm_tflops_{dtype_name}"]
@@ -145,6 +166,7 @@ def per_size_floors(rows: list[Row], ceilings: dict) -> None:
     kernel that is not the fastest way to move a cache-resident size, or a size without a floor
     row) shows that the floor was not the ceiling there: the fastest row judged by the same
     floor is then the 100%, so no row reads above it."""
+    rows = [r for r in rows if not r.not_run]
     floors = {}  # the floor row's rate, or a faster row's judged by it
     for r in rows:
         floors[_floor_key(r)] = max(floors.get(_floor_key(r), 0.0), r.rate)
@@ -159,6 +181,8 @@ def per_size_floors(rows: list[Row], ceilings: dict) -> None:
 def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
     """The rows as a table; judge(rows) first gives the fused rows their speedups."""
     rounds = max((len(r.rounds_ms) for r in rows), default=0)
+    op_w = max([12, *(len(r.op) + 1 for r in rows)])
+    shape_w = max([24, *(len(r.shape) + 1 for r in rows)])
     lines = [f"device: {device_name}",
              "ceilings: " + ", ".join(f"{k} {v:.4g}" for k, v in ceilings.items()) +
              " (% peak: of the larger of the ceiling and the row's own copy or gemm row of its "
@@ -166,15 +190,20 @@ def format_table(rows: list[Row], ceilings: dict, device_name: str) -> str:
              f"ms: the median of {rounds} interleaved rounds, +-%: half their range; x eager, "
              f"x compile: the median of the per-round ratios and their range, a tie where it "
              f"includes 1.0",
-             f"{'op':<12}{'shape':<24}{'dtype':<10}{'pass':<9}{'impl':<12}"
-             f"{'ms':>10}{'+-%':>6}{'rate':>10}{'unit':>9}{'% peak':>8}  {'x eager':<21}"
-             f"x compile"]
+             (f"{'op':<{op_w}}{'shape':<{shape_w}}{'dtype':<10}{'pass':<9}{'impl':<12}"
+              f"{'ms':>10}{'+-%':>6}{'rate':>10}{'unit':>9}{'% peak':>8}  {'x eager':<21}"
+              f"{'x compile':<21}" + ("peak MiB" if any(r.peak_mib is not None for r in rows)
+                                      else "")).rstrip()]
     for r in rows:
+        key = f"{r.op:<{op_w}}{r.shape:<{shape_w}}{r.dtype:<10}{r.pass_:<9}{r.impl:<12}"
+        if r.not_run:
+            lines.append(f"{key}  did not run: {r.not_run}")
+            continue
         eager, compiled = (r.speedups.get(b) if b else None for b in _baselines(r.impl))
-        lines.append(f"{r.op:<12}{r.shape:<24}{r.dtype:<10}{r.pass_:<9}{r.impl:<12}"
-                     f"{r.ms:>10.4f}{r.spread_pct():>6.1f}{r.rate:>10.1f}{r.unit:>9}"
+        peak = "" if r.peak_mib is None else f"{r.peak_mib:.0f}"
+        lines.append(f"{key}{r.ms:>10.4f}{r.spread_pct():>6.1f}{r.rate:>10.1f}{r.unit:>9}"
                      f"{r.pct_of_peak:>7.1f}%  {format_speedup(eager):<21}"
-                     f"{format_speedup(compiled):<21}".rstrip())
+                     f"{format_speedup(compiled):<21}{peak}".rstrip())
     return "\n".join(lines)
 
 
@@ -192,6 +221,7 @@ def plot(path: str, rows: list[Row], device_name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not r.not_run]
     keys = list(dict.fromkeys((r.op, r.shape, r.dtype, r.pass_) for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
     by_key = {(r.op, r.shape, r.dtype, r.pass_, r.impl): r for r in rows}
