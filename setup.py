@@ -104,11 +104,11 @@ if cuda:
     print(f"fusedlayers: {'building' if sm90 else 'not building'} the Hopper grouped GEMM "
           f"({sm90_why})")
     extension = CUDAExtension(
-        "fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
+        "fusedlayers._C", sources=sources, include_dirs=list(_sources.INCLUDE_DIRS),
         libraries=list(_sources.CUDA_LIBRARIES), extra_link_args=openmp,
         extra_compile_args=[*_sources.CXX_FLAGS, *openmp, _sources.CUDA_DEFINE])
 else:
-    extension = CppExtension("fusedlayers._C", sources=sources, include_dirs=[str(ROOT)],
+    extension = CppExtension("fusedlayers._C", sources=sources, include_dirs=list(_sources.INCLUDE_DIRS),
                              extra_compile_args=[*_sources.CXX_FLAGS, *openmp],
                              extra_link_args=openmp)
 

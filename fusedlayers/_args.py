@@ -3,7 +3,7 @@ operators check tensors themselves; these run before a value is converted, so th
 float shape is a TypeError naming the argument instead of a conversion error or, worse, a
 silently parsed value (float("2") is 2.0). One exception: linear_gelu's tensors in TensorFlow,
 where the framework's own matmul runs before our epilogue op, checked here in csrc's words
-(csrc/linear_gelu_check.cpp) before the matmul reports them in its own."""
+(csrc/gemm/linear_gelu_check.cpp) before the matmul reports them in its own."""
 
 
 def real(op: str, name: str, value) -> float:

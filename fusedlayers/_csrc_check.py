@@ -10,7 +10,7 @@ import numpy as np
 
 
 class _TracedTensor(ctypes.Structure):
-    """backends/xla/binding.h's TracedTensor: a tensor's dtype and dims, without data."""
+    """backends/xla/ffi_binding.h's TracedTensor: a tensor's dtype and dims, without data."""
     _fields_ = [("dtype", ctypes.c_int32), ("defined", ctypes.c_int32), ("ndim", ctypes.c_int64),
                 ("dims", ctypes.POINTER(ctypes.c_int64))]
 

@@ -15,12 +15,15 @@ from .errors import NotBuiltError
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_COMMAND = "pip install --no-build-isolation -e ."
+# csrc's headers are included by their path from csrc (norm/norm.h), a binding's own by its path
+# from the checkout (backends/torch/torch_binding.h).
+INCLUDE_DIRS = (str(ROOT), str(ROOT / "csrc"))
 
 
 # -fvisibility=hidden keeps csrc's symbols private to each library that compiles it in.
 # -fno-trapping-math / -fno-math-errno change no result (no FP traps are enabled and errno is
 # never read); without them GCC will not turn the kernels' float selects into vector blends.
-# -Wno-psabi: csrc/cpu_vec.h's 64-byte float vectors only cross inlined calls, so GCC's note that
+# -Wno-psabi: csrc/util/cpu_vec.h's 64-byte float vectors only cross inlined calls, so GCC's note that
 # their ABI differs with and without AVX-512 concerns no function of the libraries.
 CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi"]
 # -warn-spills: ptxas says which kernels spill registers (output shown where a build prints it).
@@ -51,15 +54,12 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 # whole chunk loop): the torch extension and the JAX library's CUDA build have them. TF runs its
 # own matmuls around csrc's passes, so the TF op library needs no cuBLAS.
 GEMM_SOURCES = {"cublaslt_cuda.cu", "linear_gelu_op.cpp", "linear_gelu_cuda.cu",
-                "linear_gelu_cublaslt.cc", "linear_cross_entropy_cublaslt.cc"}
-# The optimizer's kernels: only the torch extension binds them (JAX's and Keras' optimizers
-# stay theirs: README, "Optimizer"), so the TF and JAX libraries leave them out.
-TORCH_ONLY_SOURCES = {"adamw_op.cpp", "adamw_cpu.cpp", "adamw_cuda.cu"}
+                "linear_gelu_cublaslt_ffi.cc", "linear_cross_entropy_cublaslt_ffi.cc"}
 # The grouped GEMM's Hopper kernels (CUTLASS's sm90 ptr-array grouped GEMM): compiled for sm_90a
 # alone (wgmma, TMA), with CUTLASS's headers, where the archs include 9.0 and the headers are
 # found (sm90_build); every object of that build gets SM90_DEFINE. -DNDEBUG: CUTLASS's device
 # asserts are calls that make ptxas serialize the wgmma pipeline.
-SM90_GLOB = "csrc/*_sm90_*.cu"
+SM90_GLOB = "csrc/**/*_sm90_*.cu"
 SM90_DEFINE = "-DFUSEDLAYERS_WITH_CUTLASS_SM90"
 SM90_NVCC_FLAGS = ["-DNDEBUG", "--expt-relaxed-constexpr"]
 CUTLASS_PACKAGE = "nvidia-cutlass==4.2.0.0"  # its cutlass_library/source holds the headers
@@ -208,7 +208,8 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
     if up_to_date(output, digest):
         print(f"fusedlayers: {output.name} is up to date (built from these sources and flags)")
         return False
-    cflags = ["-O3", "-fPIC", *CXX_FLAGS, f"-I{ROOT}", *cflags, *([CUDA_DEFINE] if cuda else [])]
+    cflags = ["-O3", "-fPIC", *CXX_FLAGS, *(f"-I{d}" for d in INCLUDE_DIRS), *cflags,
+              *([CUDA_DEFINE] if cuda else [])]
     if cuda:
         cuda_home = find_cuda_home()
         if cuda_home is None:
@@ -234,14 +235,16 @@ def csrc_archive(cuda: bool, sm90: bool, gemm: bool, abi: int, archs: str = "",
     style `archs` (the Hopper kernels, with `sm90`, for sm_90a with CUTLASS's headers); the
     cuBLASLt sources only with `gemm` (those with cuBLAS's headers from `gemm_include` where the
     toolkit has none). `abi`: the C++ library ABI (_GLIBCXX_USE_CXX11_ABI) of the framework that
-    links it. Objects are hidden (-fvisibility=hidden: each library keeps a private copy of what
+    links it. A library takes from the archive the objects its binding calls into (the TF and
+    JAX libraries none of the optimizer's, which only torch binds). Objects are hidden (-fvisibility=hidden: each library keeps a private copy of what
     it calls, which another library in the process cannot bind) and kept in the object cache
     (OBJECT_CACHE), so the libraries of one build, and later builds, compile each once. Returns
     the archive's path, named by the hash of its objects; raises NotBuiltError with the failing
     command."""
     abi_flag = f"-D_GLIBCXX_USE_CXX11_ABI={abi}"
     defines = [*([CUDA_DEFINE] if cuda else []), *([SM90_DEFINE] if sm90 else [])]
-    cxx = ["g++", "-O3", "-fPIC", *CXX_FLAGS, "-std=c++17", f"-I{ROOT}", abi_flag, *defines]
+    cxx = ["g++", "-O3", "-fPIC", *CXX_FLAGS, "-std=c++17", *(f"-I{d}" for d in INCLUDE_DIRS),
+           abi_flag, *defines]
     nvcc = nvcc_sm90 = []
     if cuda:
         cuda_home = find_cuda_home()
@@ -325,7 +328,7 @@ def _parallel(fn, items: list) -> list:
 def nvcc_command(cuda_home: str, archs: str, include=()) -> list[str]:
     """nvcc's command for csrc's CUDA kernels (before -c SOURCE -o OBJECT), for the archs of a
     TORCH_CUDA_ARCH_LIST-style list; `include`: more header folders."""
-    return [f"{cuda_home}/bin/nvcc", *NVCC_FLAGS, f"-I{ROOT}", *(f"-I{d}" for d in include),
+    return [f"{cuda_home}/bin/nvcc", *NVCC_FLAGS, *(f"-I{d}" for d in [*INCLUDE_DIRS, *include]),
             CUDA_DEFINE, *gencode_flags(archs), "-Xcompiler", "-fPIC,-fvisibility=hidden"]
 
 

@@ -9,16 +9,16 @@
 #include <thread>
 #include <vector>
 
-#include "csrc/adamw.h"
-#include "csrc/linear_gelu_epilogue.h"
-#include "csrc/cpu_types.h"
-#include "csrc/gated.h"
-#include "csrc/layer_norm.h"
-#include "csrc/linear_gelu.h"
-#include "csrc/moe.h"
-#include "csrc/relu_scale.h"
-#include "csrc/rms_norm.h"
-#include "csrc/rope.h"
+#include "optimizer/adamw.h"
+#include "gemm/linear_gelu_epilogue.h"
+#include "util/cpu_types.h"
+#include "activation/gated.h"
+#include "norm/layer_norm.h"
+#include "gemm/linear_gelu.h"
+#include "moe/moe.h"
+#include "activation/relu_scale.h"
+#include "norm/rms_norm.h"
+#include "rope/rope.h"
 
 using namespace fusedlayers;
 

@@ -21,9 +21,10 @@ def test_csrc_cpu_kernels_standalone(tmp_path, seed):
     if cxx is None:
         pytest.skip("no C++ compiler")
     exe = tmp_path / "csrc_test"
-    sources = [ROOT / "tests/csrc_test.cpp", *sorted(ROOT.glob("csrc/*.cpp"))]
+    sources = [ROOT / "tests/csrc_test.cpp", *_sources.csrc_sources()]
     subprocess.run([cxx, "-std=c++17", "-pthread", "-Wall", *_sources.CXX_FLAGS,
-                    f"-I{ROOT}", *map(str, sources), "-o", str(exe)], check=True)
+                    *(f"-I{d}" for d in _sources.INCLUDE_DIRS), *map(str, sources), "-o",
+                    str(exe)], check=True)
     digests = {}
     for isa in ("avx512", "f16c", "portable"):
         run = subprocess.run([str(exe), str(seed)], capture_output=True, text=True,

@@ -166,7 +166,7 @@ def test_layer_norm_rms_mode_gradients(offset):
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
 @pytest.mark.parametrize("n", [1, 31, 33, 4099, 1 << 20, (1 << 20) + 45])
 def test_relu_scale_mask_matches_cpu(dtype, n):
-    """The saved bitmask (csrc/relu_scale.h layout) equals the CPU kernel's, aligned and not."""
+    """The saved bitmask (csrc/activation/relu_scale.h layout) equals the CPU kernel's, aligned and not."""
     x = torch.randn(n + 1, dtype=dtype)
     x[torch.randint(0, n + 1, (n // 7,))] = float("nan")
     x[torch.randint(0, n + 1, (n // 7,))] = 0.0

@@ -3,6 +3,7 @@ crashes an import and says which command builds it; the FUSEDLAYERS_JIT=1 path (
 FUSEDLAYERS_TEST_JIT=1 to run it). Each check runs in a fresh interpreter."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,16 +124,71 @@ def test_jit_without_sources_says_so(tmp_path):
     assert len(messages) == 6 and all("needs the source checkout" in m for m in messages)
 
 
-def test_jit_sources_have_distinct_object_names():
-    # torch.utils.cpp_extension.load writes one ninja rule per source named <basename>.o in a flat
-    # build directory, so two sources with one basename (csrc/x.cpp, backends/torch/x.cpp) make
-    # ninja fail ("multiple rules generate x.o") and FUSEDLAYERS_JIT=1 never builds.
+C_SOURCES = ("*.h", "*.cuh", "*.cpp", "*.cc", "*.cu")
+
+
+def _c_sources() -> list[Path]:
+    root = PACKAGE.parent
+    return sorted(p for d in ("csrc", "backends", "tests") for g in C_SOURCES
+                  for p in (root / d).rglob(g))
+
+
+def test_no_two_c_sources_share_a_name():
+    # An #include "norm.h" must read one way, to a person and to tools: csrc's headers are
+    # included by their path from csrc, and no file name repeats across folders.
+    names = [p.name for p in _c_sources()]
+    assert len(names) > 100, "the sources were not found"
+    shared = sorted({n for n in names if names.count(n) > 1})
+    assert not shared, f"file names in more than one folder: {shared}"
+
+
+def test_csrc_includes_only_csrc():
+    """The include graph: csrc's files include csrc's headers (by their path from csrc) and
+    system or toolkit headers, never a binding's; every quoted include resolves."""
+    root = PACKAGE.parent
+    include = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+    for src in _c_sources():
+        in_csrc = src.is_relative_to(root / "csrc")
+        for name in include.findall(src.read_text()):
+            found = [d / name for d in (src.parent, root / "csrc", root) if (d / name).exists()]
+            if not found:  # a framework's, CUTLASS's or the toolkit's header
+                assert not name.startswith(("backends/", "csrc/")), (src, name)
+                continue
+            target = found[0].resolve()
+            if in_csrc:
+                assert target.is_relative_to(root / "csrc"), f"{src} includes {target}"
+
+
+def test_csrc_is_compiled_once_for_every_library(monkeypatch):
+    """csrc_archive compiles each object once: a second archive of the same objects, or of a
+    subset (the TF library's, without the cuBLASLt sources), compiles nothing."""
     from fusedlayers import _sources
-    stems = [p.stem for p in _sources.torch_sources()]
-    assert stems, "no sources found"
-    clashes = sorted({s for s in stems if stems.count(s) > 1})
-    assert not clashes, (f"JIT build objects collide: {clashes} "
-                         f"({[str(p) for p in _sources.torch_sources() if p.stem in clashes]})")
+    first = _sources.csrc_archive(False, False, gemm=True, abi=_sources.DEFAULT_CXX11_ABI)
+    compiled = []
+    run = _sources._run
+    monkeypatch.setattr(_sources, "_run", lambda cmd, verbose=False: (
+        compiled.append(cmd) if cmd[0] != "ar" else None, run(cmd, verbose))[1])
+    assert _sources.csrc_archive(False, False, gemm=True, abi=_sources.DEFAULT_CXX11_ABI) == first
+    subset = _sources.csrc_archive(False, False, gemm=False, abi=_sources.DEFAULT_CXX11_ABI)
+    assert subset != first and not compiled, compiled
+
+
+def test_objects_are_compiled_once_per_command_and_source(tmp_path, monkeypatch):
+    from fusedlayers import _sources
+    monkeypatch.setenv(_sources.OBJECT_CACHE, str(tmp_path / "objects"))
+    source = tmp_path / "one.cpp"
+    source.write_text("int one() { return 1; }\n")
+    compiled = []
+    run = _sources._run
+    monkeypatch.setattr(_sources, "_run", lambda cmd, verbose=False: (
+        compiled.append(cmd), run(cmd, verbose))[1])
+    cmd = ["g++", "-fPIC"]
+    first = _sources.compile_cached(cmd, source)
+    assert _sources.compile_cached(cmd, source) == first and len(compiled) == 1
+    assert _sources.compile_cached([*cmd, "-O2"], source) != first and len(compiled) == 2
+    assert _sources.compile_cached(cmd, source, key="framework 2") != first
+    source.write_text("int one() { return 2; }\n")
+    assert _sources.compile_cached(cmd, source) != first and len(compiled) == 4
 
 
 def test_a_library_is_built_once_per_sources_and_flags(tmp_path):

@@ -81,7 +81,7 @@ def test_does_not_modify_input():
 
 
 def packed_mask(x: torch.Tensor) -> torch.Tensor:
-    """csrc/relu_scale.h's layout, from numpy: bits of (x > 0 or NaN), little-endian, zero-padded
+    """csrc/activation/relu_scale.h's layout, from numpy: bits of (x > 0 or NaN), little-endian, zero-padded
     to whole 32-bit words."""
     keep = ~(x.detach().reshape(-1).double() <= 0)
     packed = np.packbits(keep.numpy(), bitorder="little")

@@ -90,7 +90,7 @@ def tf_linear_gelu(x, w, b=None, approximate="none", accurate=False):
 @pytest.mark.parametrize("n", (0, 31, 33, 4097))
 def test_relu_scale_mask_output(rng, dtype, n):
     """The op's second output, saved for the gradient: the packed bits of (x > 0 or NaN) in
-    csrc/relu_scale.h's layout, with its length known to shape inference."""
+    csrc/activation/relu_scale.h's layout, with its length known to shape inference."""
     from fusedlayers.tensorflow._op import lib as _lib
     vals = rng.normal(n)
     vals[: n // 3] = rng.gen.choice([np.nan, 0.0, -0.0, -np.inf], n // 3)
@@ -154,7 +154,7 @@ def test_relu_scale_nonfinite_gradient(rng):
 @pytest.mark.xfail(strict=True, reason="alpha is a float32 TF op attribute (documented); "
                                         "fix: pass it as a float64 input")
 def test_relu_scale_float64_alpha_is_not_rounded_to_float32(rng):
-    """For float64 x, relu_scale must be relu(x) * alpha in float64 (csrc/relu_scale.h: alpha is
+    """For float64 x, relu_scale must be relu(x) * alpha in float64 (csrc/activation/relu_scale.h: alpha is
     rounded to the accumulation type, fp64 for fp64; the torch op does so). An alpha that is not
     a float32 value must not lose its low bits."""
     x = tf.constant(np.abs(rng.normal(1000)) + 0.5, tf.float64)

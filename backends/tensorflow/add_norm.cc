@@ -1,10 +1,10 @@
 // TensorFlow ops FusedlayersAddRmsNorm / FusedlayersAddLayerNorm and their Grad ops on
-// csrc/add_norm.h, which checks every argument. Optional tensors (dh, weight, bias) are always
+// csrc/norm/add_norm.h, which checks every argument. Optional tensors (dh, weight, bias) are always
 // inputs and count only when their has_<name> attribute is set (TF ops have no optional
 // inputs); dresidual is an empty output where h has dy's dtype (dx is then both gradients).
 // Inputs and outputs in csrc's order; x's dtype T, the residual's R, the parameters' P.
-#include "backends/tensorflow/norm.h"
-#include "csrc/add_norm.h"
+#include "backends/tensorflow/tf_norm.h"
+#include "norm/add_norm.h"
 
 namespace fusedlayers::tf_binding {
 namespace {
@@ -21,7 +21,7 @@ REGISTER_OP("FusedlayersAddRmsNorm")
       c->set_output(1, c->input(1));
       return absl::OkStatus();
     })
-    .Doc("h = x + residual, y = RMSNorm(h) (csrc/add_norm.h).");
+    .Doc("h = x + residual, y = RMSNorm(h) (csrc/norm/add_norm.h).");
 
 REGISTER_OP("FusedlayersAddRmsNormGrad")
     .Input("dy: T").Input("dh: R").Input("h: R").Input("rstd: U").Input("weight: P")
@@ -48,7 +48,7 @@ REGISTER_OP("FusedlayersAddLayerNorm")
       c->set_output(1, c->input(1));
       return absl::OkStatus();
     })
-    .Doc("h = x + residual, y = LayerNorm(h) (csrc/add_norm.h).");
+    .Doc("h = x + residual, y = LayerNorm(h) (csrc/norm/add_norm.h).");
 
 REGISTER_OP("FusedlayersAddLayerNormGrad")
     .Input("dy: T").Input("dh: R").Input("h: R").Input("mean: U").Input("rstd: U")

@@ -1,9 +1,9 @@
-// TensorFlow ops FusedlayersSwiglu / FusedlayersGeglu and their Grad ops on csrc/gated.h, which
+// TensorFlow ops FusedlayersSwiglu / FusedlayersGeglu and their Grad ops on csrc/activation/gated.h, which
 // checks every argument. up has a dtype attribute of its own (V), so that csrc, not TF's type
 // check, names a mismatch as the torch and JAX ops do. TF tensors are contiguous.
-#include "backends/tensorflow/binding.h"
-#include "backends/tensorflow/xla.h"
-#include "csrc/gated.h"
+#include "backends/tensorflow/tf_binding.h"
+#include "backends/tensorflow/xla_kernel.h"
+#include "activation/gated.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 
 namespace fusedlayers::tf_binding {
@@ -20,7 +20,7 @@ absl::Status GatedGradShape(InferenceContext* c) {
 REGISTER_OP("FusedlayersSwiglu")
     .Input("gate: T").Input("up: V").Output("y: T").Attr(kTypeT).Attr(kTypeV)
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
-    .Doc("y = silu(gate) * up (csrc/gated.h).");
+    .Doc("y = silu(gate) * up (csrc/activation/gated.h).");
 REGISTER_OP("FusedlayersSwigluGrad")
     .Input("dy: T").Input("gate: T").Input("up: V").Output("dgate: T").Output("dup: V")
     .Attr(kTypeT).Attr(kTypeV).SetShapeFn(GatedGradShape)
@@ -28,7 +28,7 @@ REGISTER_OP("FusedlayersSwigluGrad")
 REGISTER_OP("FusedlayersGeglu")
     .Input("gate: T").Input("up: V").Output("y: T").Attr("approximate: string = 'none'")
     .Attr(kTypeT).Attr(kTypeV).SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
-    .Doc("y = gelu(gate) * up, GELU's erf ('none') or tanh form (csrc/gated.h).");
+    .Doc("y = gelu(gate) * up, GELU's erf ('none') or tanh form (csrc/activation/gated.h).");
 REGISTER_OP("FusedlayersGegluGrad")
     .Input("dy: T").Input("gate: T").Input("up: V").Output("dgate: T").Output("dup: V")
     .Attr("approximate: string = 'none'").Attr(kTypeT).Attr(kTypeV).SetShapeFn(GatedGradShape)
@@ -122,7 +122,7 @@ struct GatedKernels {
     bool ok_ = false;
   };
 
-  // Under XLA: the custom calls fusedlayers_<op>_{forward,backward} (backends/xla/gated.cc).
+  // Under XLA: the custom calls fusedlayers_<op>_{forward,backward} (backends/xla/gated_ffi.cc).
   static XlaAttributes attributes(OpKernelConstruction* ctx) {
     XlaAttributes attrs;
     std::string approximate;

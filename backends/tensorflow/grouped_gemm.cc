@@ -1,13 +1,13 @@
-// TensorFlow ops FusedlayersGroupedGemm / FusedlayersGroupedGemmGrad on csrc/grouped_gemm.h,
+// TensorFlow ops FusedlayersGroupedGemm / FusedlayersGroupedGemmGrad on csrc/gemm/grouped_gemm.h,
 // which checks every argument: CPU and GPU kernels, and XLA kernels (the custom calls of
-// backends/xla/grouped_gemm.cc). TF keeps int32 tensors of GPU ops in host memory (as it holds
+// backends/xla/grouped_gemm_ffi.cc). TF keeps int32 tensors of GPU ops in host memory (as it holds
 // moe_permute's offsets), so the GPU kernels take offsets there and copy them to the device on
 // the op's stream before csrc reads them; under XLA they stay on the device.
-#include "backends/tensorflow/binding.h"
-#include "backends/tensorflow/xla.h"
-#include "csrc/grouped_gemm.h"
+#include "backends/tensorflow/tf_binding.h"
+#include "backends/tensorflow/xla_kernel.h"
+#include "gemm/grouped_gemm.h"
 
-// backends/xla/grouped_gemm.cc: the CUDA workspace of either pass.
+// backends/xla/grouped_gemm_ffi.cc: the CUDA workspace of either pass.
 extern "C" size_t fusedlayers_xla_grouped_gemm_workspace_size(int64_t rows, int64_t k, int64_t n,
                                                               int64_t groups, int dtype);
 
@@ -37,7 +37,7 @@ absl::Status GradShape(InferenceContext* c) {
 REGISTER_OP("FusedlayersGroupedGemm")
     .Input("x: T").Input("weight: V").Input("offsets: int32").Output("y: T")
     .Attr("transposed: bool = false").Attr(kTypeT).Attr(kTypeV).SetShapeFn(ForwardShape)
-    .Doc("Each group's rows of x times its weight (csrc/grouped_gemm.h).");
+    .Doc("Each group's rows of x times its weight (csrc/gemm/grouped_gemm.h).");
 REGISTER_OP("FusedlayersGroupedGemmGrad")
     .Input("dy: T").Input("x: T").Input("weight: V").Input("offsets: int32")
     .Output("dx: T").Output("dweight: V").Attr("transposed: bool = false").Attr(kTypeT)

@@ -1,8 +1,8 @@
-// TensorFlow ops FusedlayersLayerNorm / FusedlayersLayerNormGrad on csrc/layer_norm.h, which
+// TensorFlow ops FusedlayersLayerNorm / FusedlayersLayerNormGrad on csrc/norm/layer_norm.h, which
 // checks every argument. weight and bias are always inputs and count only when has_weight /
-// has_bias (TF ops have no optional inputs); the kernels are norm.h's.
-#include "backends/tensorflow/norm.h"
-#include "csrc/layer_norm.h"
+// has_bias (TF ops have no optional inputs); the kernels are tf_norm.h's.
+#include "backends/tensorflow/tf_norm.h"
+#include "norm/layer_norm.h"
 
 namespace fusedlayers::tf_binding {
 namespace {
@@ -14,7 +14,7 @@ REGISTER_OP("FusedlayersLayerNorm")
     .Attr("has_weight: bool").Attr("has_bias: bool").Attr("rms_scaling: bool = false")
     .Attr(kTypeT).Attr(kTypeP).Attr(kTypeU)
     .SetShapeFn(NormShape<2>)
-    .Doc("Layer norm over the trailing normalized_shape dims; mean/rstd in U (csrc/layer_norm.h).");
+    .Doc("Layer norm over the trailing normalized_shape dims; mean/rstd in U (csrc/norm/layer_norm.h).");
 
 REGISTER_OP("FusedlayersLayerNormGrad")
     .Input("dy: T").Input("x: T").Input("mean: U").Input("rstd: U")

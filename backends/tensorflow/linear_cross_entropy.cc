@@ -1,5 +1,5 @@
 // TensorFlow ops for linear_cross_entropy's chunk loop, which fusedlayers/tensorflow runs with
-// TF's matmuls (csrc/linear_cross_entropy.h has the math, the chunk rule and the checks):
+// TF's matmuls (csrc/loss/linear_cross_entropy.h has the math, the chunk rule and the checks):
 //   FusedlayersLinearCrossEntropyChunk      csrc's row pass of one chunk of logits: each row's
 //                                            loss and, when grad_scale has values, du and the
 //                                            chunk's column sums of du (for dbias);
@@ -8,9 +8,9 @@
 // The float options are float64 inputs (constants under XLA), so float64 losses take them
 // exactly; absent bias / grad_scale are empty tensors, as in JAX's custom call. target is int64
 // (TF keeps int32 tensors of GPU ops in host memory).
-#include "backends/tensorflow/binding.h"
-#include "backends/tensorflow/xla.h"
-#include "csrc/linear_cross_entropy.h"
+#include "backends/tensorflow/tf_binding.h"
+#include "backends/tensorflow/xla_kernel.h"
+#include "loss/linear_cross_entropy.h"
 
 namespace fusedlayers::tf_binding {
 namespace {
@@ -40,7 +40,7 @@ REGISTER_OP("FusedlayersLinearCrossEntropyChunk")
     .Output("loss: U").Output("du: T").Output("dbias: U")
     .Attr("ignore_index: int = -100").Attr(kTypeT).Attr(kTypeU)
     .SetShapeFn(ChunkShape)
-    .Doc("One chunk's row pass of linear_cross_entropy (csrc/linear_cross_entropy.h): loss "
+    .Doc("One chunk's row pass of linear_cross_entropy (csrc/loss/linear_cross_entropy.h): loss "
          "(rows,); du (rows, vocab) and dbias (vocab,), or empty, as grad_scale and linear_bias "
          "are.");
 REGISTER_OP("FusedlayersLinearCrossEntropyChunkRows")
@@ -120,7 +120,7 @@ class ChunkRowsOp : public OpKernel {
 };
 
 // Under XLA: the custom call fusedlayers_linear_cross_entropy_chunk
-// (backends/xla/linear_cross_entropy.cc), the options as its attributes.
+// (backends/xla/linear_cross_entropy_ffi.cc), the options as its attributes.
 class ChunkXla : public ::tensorflow::XlaOpKernel {
  public:
   explicit ChunkXla(OpKernelConstruction* ctx) : XlaOpKernel(ctx) {

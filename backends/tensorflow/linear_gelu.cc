@@ -1,9 +1,9 @@
 // TensorFlow ops FusedlayersLinearGeluEpilogue / FusedlayersLinearGeluEpilogueGrad: linear_gelu's
-// bias + GELU epilogue (csrc/linear_gelu_epilogue.h). The GEMMs around it are TF's own matmul
+// bias + GELU epilogue (csrc/gemm/linear_gelu_epilogue.h). The GEMMs around it are TF's own matmul
 // (fusedlayers/tensorflow/linear_gelu.py).
-#include "backends/tensorflow/binding.h"
-#include "backends/tensorflow/xla.h"
-#include "csrc/linear_gelu_epilogue.h"
+#include "backends/tensorflow/tf_binding.h"
+#include "backends/tensorflow/xla_kernel.h"
+#include "gemm/linear_gelu_epilogue.h"
 
 namespace fusedlayers::tf_binding {
 namespace {

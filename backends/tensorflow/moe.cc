@@ -1,16 +1,16 @@
 // TensorFlow ops FusedlayersMoePermute / FusedlayersMoePermuteGrad and FusedlayersMoeUnpermute /
-// FusedlayersMoeUnpermuteGrad on csrc/moe.h, which checks every argument. top_k_index is int32
+// FusedlayersMoeUnpermuteGrad on csrc/moe/moe.h, which checks every argument. top_k_index is int32
 // or int64 (attribute I), row_index and offsets int32, top_k_weights float32 or x's dtype
 // (attribute W); an absent top_k_weights (unpermute) or ys (its gradient: no dweights) is an
-// empty tensor. CPU kernels and XLA kernels (the custom calls of backends/xla/moe.cc): TF keeps
+// empty tensor. CPU kernels and XLA kernels (the custom calls of backends/xla/moe_ffi.cc): TF keeps
 // int32 tensors of GPU ops in host memory, where the rows' indices cannot be read by CUDA
 // kernels, so outside XLA TF places these ops on the CPU; under XLA (jit_compile) they run on
 // the GPU.
-#include "backends/tensorflow/binding.h"
-#include "backends/tensorflow/xla.h"
-#include "csrc/moe.h"
+#include "backends/tensorflow/tf_binding.h"
+#include "backends/tensorflow/xla_kernel.h"
+#include "moe/moe.h"
 
-// backends/xla/moe.cc: the permute's CUDA route workspace.
+// backends/xla/moe_ffi.cc: the permute's CUDA route workspace.
 extern "C" size_t fusedlayers_xla_moe_route_workspace_size(int64_t tokens, int64_t top_k,
                                                            int64_t num_experts);
 
@@ -61,7 +61,7 @@ REGISTER_OP("FusedlayersMoePermute")
     .Input("x: T").Input("top_k_index: I")
     .Output("xs: T").Output("row_index: int32").Output("offsets: int32")
     .Attr("num_experts: int").Attr(kTypeT).Attr(kTypeI).SetShapeFn(PermuteShape)
-    .Doc("x's rows in expert order, each pair's row and each expert's end (csrc/moe.h).");
+    .Doc("x's rows in expert order, each pair's row and each expert's end (csrc/moe/moe.h).");
 REGISTER_OP("FusedlayersMoePermuteGrad")
     .Input("dxs: T").Input("top_k_index: I").Input("row_index: int32").Output("dx: T")
     .Attr("num_experts: int").Attr(kTypeT).Attr(kTypeI).SetShapeFn(TokensShape)
@@ -70,7 +70,7 @@ REGISTER_OP("FusedlayersMoeUnpermute")
     .Input("ys: T").Input("top_k_index: I").Input("row_index: int32").Input("top_k_weights: W")
     .Output("out: T").Attr("num_experts: int").Attr(kTypeT).Attr(kTypeI).Attr(kTypeW)
     .SetShapeFn(TokensShape)
-    .Doc("The weighted sum of each token's rows (csrc/moe.h); empty top_k_weights: 1.");
+    .Doc("The weighted sum of each token's rows (csrc/moe/moe.h); empty top_k_weights: 1.");
 REGISTER_OP("FusedlayersMoeUnpermuteGrad")
     .Input("dout: T").Input("ys: T").Input("top_k_index: I").Input("row_index: int32")
     .Input("top_k_weights: W").Output("dys: T").Output("dweights: W")
@@ -186,7 +186,7 @@ XlaAttributes experts_attribute(OpKernelConstruction* ctx) {
   return XlaAttributes().i64("num_experts", num_experts_attr(ctx));
 }
 
-// Under XLA: the custom calls of backends/xla/moe.cc.
+// Under XLA: the custom calls of backends/xla/moe_ffi.cc.
 class PermuteXla : public XlaCustomCallOp {
  public:
   explicit PermuteXla(OpKernelConstruction* ctx)

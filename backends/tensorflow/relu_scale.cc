@@ -1,7 +1,7 @@
 // TensorFlow ops FusedlayersReluScale / FusedlayersReluScaleGrad on the csrc relu_scale kernels.
-#include "backends/tensorflow/binding.h"
-#include "backends/tensorflow/xla.h"
-#include "csrc/relu_scale.h"
+#include "backends/tensorflow/tf_binding.h"
+#include "backends/tensorflow/xla_kernel.h"
+#include "activation/relu_scale.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 
 namespace fusedlayers::tf_binding {
@@ -17,7 +17,7 @@ absl::Status ReluScaleShape(InferenceContext* c) {
 }
 
 // mask: the packed bits where x is not <= 0, kept for the gradient instead of x (layout in
-// csrc/relu_scale.h); uint32 as in the torch binding (TF keeps int32 tensors of GPU kernels in
+// csrc/activation/relu_scale.h); uint32 as in the torch binding (TF keeps int32 tensors of GPU kernels in
 // host memory).
 REGISTER_OP("FusedlayersReluScale")
     .Input("x: T").Output("y: T").Output("mask: uint32").Attr("alpha: float").Attr(kTypeT)

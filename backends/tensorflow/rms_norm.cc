@@ -1,8 +1,8 @@
-// TensorFlow ops FusedlayersRmsNorm / FusedlayersRmsNormGrad on csrc/rms_norm.h, which checks
+// TensorFlow ops FusedlayersRmsNorm / FusedlayersRmsNormGrad on csrc/norm/rms_norm.h, which checks
 // every argument. weight is always an input and counts only when has_weight (TF ops have no
-// optional inputs); the kernels are norm.h's.
-#include "backends/tensorflow/norm.h"
-#include "csrc/rms_norm.h"
+// optional inputs); the kernels are tf_norm.h's.
+#include "backends/tensorflow/tf_norm.h"
+#include "norm/rms_norm.h"
 
 namespace fusedlayers::tf_binding {
 namespace {
@@ -12,7 +12,7 @@ REGISTER_OP("FusedlayersRmsNorm")
     .Attr("normalized_shape: list(int)").Attr("eps: float").Attr("has_weight: bool")
     .Attr("zero_centered: bool = false").Attr(kTypeT).Attr(kTypeP).Attr(kTypeU)
     .SetShapeFn(NormShape<1>)
-    .Doc("RMSNorm over the trailing normalized_shape dims; rstd in U (csrc/rms_norm.h).");
+    .Doc("RMSNorm over the trailing normalized_shape dims; rstd in U (csrc/norm/rms_norm.h).");
 
 REGISTER_OP("FusedlayersRmsNormGrad")
     .Input("dy: T").Input("x: T").Input("rstd: U").Input("weight: P")

@@ -1,10 +1,10 @@
-// TensorFlow ops FusedlayersRope / FusedlayersRopeGrad on csrc/rope.h, which checks every
+// TensorFlow ops FusedlayersRope / FusedlayersRopeGrad on csrc/rope/rope.h, which checks every
 // argument. TF tensors are contiguous: q and k row-major in the layout unsqueeze_dim says. cos
 // and sin have a dtype attribute of their own (C: float32 or q's dtype); they are not
 // differentiated.
-#include "backends/tensorflow/binding.h"
-#include "backends/tensorflow/xla.h"
-#include "csrc/rope.h"
+#include "backends/tensorflow/tf_binding.h"
+#include "backends/tensorflow/xla_kernel.h"
+#include "rope/rope.h"
 
 namespace fusedlayers::tf_binding {
 namespace {
@@ -23,7 +23,7 @@ REGISTER_OP("FusedlayersRope")
     .Attr("unsqueeze_dim: int = 1").Attr("interleaved: bool = false").Attr(kTypeT)
     .Attr("K: {float, double, half, bfloat16}").Attr(kTypeC)
     .Attr("S: {float, double, half, bfloat16}").SetShapeFn(RopeShapeFn)
-    .Doc("Rotary position embedding of q and k (csrc/rope.h).");
+    .Doc("Rotary position embedding of q and k (csrc/rope/rope.h).");
 REGISTER_OP("FusedlayersRopeGrad")
     .Input("dq_embed: T").Input("dk_embed: K").Input("cos: C").Input("sin: S")
     .Output("dq: T").Output("dk: K")
@@ -74,7 +74,7 @@ struct RopeKernels {
     bool interleaved_ = false;
   };
 
-  // Under XLA: the custom calls fusedlayers_rope_{forward,backward} (backends/xla/rope.cc).
+  // Under XLA: the custom calls fusedlayers_rope_{forward,backward} (backends/xla/rope_ffi.cc).
   class Xla : public XlaCustomCallOp {
    public:
     explicit Xla(OpKernelConstruction* ctx)

@@ -1,8 +1,8 @@
 // fusedlayers::adamw (with adamw_grad_sumsq) for PyTorch: schemas and the CPU/CUDA kernel, tensor
-// lists converted to csrc/adamw.h's table (which checks the arguments and runs the passes).
+// lists converted to csrc/optimizer/adamw.h's table (which checks the arguments and runs the passes).
 // fusedlayers.torch.AdamW, the optimizer, calls them.
-#include "backends/torch/binding.h"
-#include "csrc/adamw.h"
+#include "backends/torch/torch_binding.h"
+#include "optimizer/adamw.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -142,7 +142,7 @@ at::Tensor adamw_grad_sumsq_kernel(at::TensorList grads, const at::Tensor& like)
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
-  // One AdamW step of every parameter, in place (csrc/adamw.h): max_exp_avg_sqs with amsgrad,
+  // One AdamW step of every parameter, in place (csrc/optimizer/adamw.h): max_exp_avg_sqs with amsgrad,
   // else empty; masters empty, or one per parameter (an empty tensor where it has none); steps
   // float32 scalars on the parameters' device; lr_tensor, grad_scale, found_inf float32 scalars
   // read where the pass runs; grad_sumsq adamw_grad_sumsq's, with max_grad_norm > 0.

@@ -1,11 +1,11 @@
 // fusedlayers::add_rms_norm and fusedlayers::add_layer_norm (and their _backward) for PyTorch:
-// schemas, one CPU/CUDA kernel per pass for both (tensor conversion around csrc/add_norm.h,
+// schemas, one CPU/CUDA kernel per pass for both (tensor conversion around csrc/norm/add_norm.h,
 // which checks every argument) and autograd. No autocast kernel: under autocast they run in
 // their inputs' dtypes, so h keeps the residual stream's dtype (the unfused add's) and y is
 // x's (what the linear layer after the norm casts it to).
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/add_norm.h"
+#include "backends/torch/torch_binding.h"
+#include "norm/add_norm.h"
 
 namespace fusedlayers::torch_binding {
 namespace {

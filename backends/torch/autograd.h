@@ -16,7 +16,7 @@
 #include <string>
 #include <type_traits>
 
-#include "backends/torch/binding.h"
+#include "backends/torch/torch_binding.h"
 
 namespace fusedlayers {
 namespace torch_binding {
@@ -90,7 +90,7 @@ struct SavingNode : Node {
 };
 
 // Registers, from an op's TORCH_LIBRARY_FRAGMENT, operator `name`'s kernels: `kernel` for the
-// CPU and CUDA (binding.h's impl_devices), `autograd` for Autograd; and those of its backward
+// CPU and CUDA (torch_binding.h's impl_devices), `autograd` for Autograd; and those of its backward
 // operator `name`_backward: `backward` for the CPU and CUDA and, as it has no derivative of its
 // own, an autograd kernel that raises when differentiated through.
 template <typename Fn, typename BackwardFn, typename AutogradFn>

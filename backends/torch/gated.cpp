@@ -1,10 +1,10 @@
 // fusedlayers::swiglu and fusedlayers::geglu (and their _backward) for PyTorch: schemas, CPU/CUDA
-// kernels (tensor conversion around csrc/gated.h, which checks the arguments), autograd (saves
+// kernels (tensor conversion around csrc/activation/gated.h, which checks the arguments), autograd (saves
 // gate and up; the backward recomputes the activation) and autocast (as ATen's for mul: mixed
 // dtypes are promoted).
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/gated.h"
+#include "backends/torch/torch_binding.h"
+#include "activation/gated.h"
 
 namespace fusedlayers::torch_binding {
 namespace {

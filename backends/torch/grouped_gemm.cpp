@@ -1,10 +1,10 @@
 // fusedlayers::grouped_gemm (with grouped_gemm_backward) for PyTorch: schema, CPU/CUDA kernels
-// (tensor conversion around csrc/grouped_gemm.h, which checks the arguments) and autograd. No
+// (tensor conversion around csrc/gemm/grouped_gemm.h, which checks the arguments) and autograd. No
 // autocast kernel: fusedlayers.torch.moe_experts casts its operands once itself, as for
 // torch's grouped_mm, which autocast's policy does not list.
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/grouped_gemm.h"
+#include "backends/torch/torch_binding.h"
+#include "gemm/grouped_gemm.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -114,7 +114,7 @@ at::Tensor autograd_kernel(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
   // x (rows, k); weight (num_groups, n, k), or (num_groups, k, n) transposed; offsets
-  // (num_groups) int32, the groups' row ends. y (rows, n) (csrc/grouped_gemm.h).
+  // (num_groups) int32, the groups' row ends. y (rows, n) (csrc/gemm/grouped_gemm.h).
   m.def("grouped_gemm(Tensor x, Tensor weight, Tensor offsets, bool transposed=False) -> "
         "Tensor y");
   // dx (x's shape) and dweight (weight's) where output_mask asks for them, else empty.

@@ -1,10 +1,10 @@
 // fusedlayers::layer_norm{,_backward} for PyTorch: schema, CPU/CUDA kernel (tensor conversion
-// around csrc/layer_norm.h, which checks every argument), autograd and autocast.
+// around csrc/norm/layer_norm.h, which checks every argument), autograd and autocast.
 #include <ATen/autocast_mode.h>
 
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/layer_norm.h"
+#include "backends/torch/torch_binding.h"
+#include "norm/layer_norm.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -121,7 +121,7 @@ Tensor3 autocast_cuda_kernel(const at::Tensor& x, c10::SymIntArrayRef normalized
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
   // mean/rstd have the leading (unnormalized) shape of x; memory_efficient only tells autograd
   // to save y instead of x; rms_scaling is Keras' LayerNormalization(rms_scaling=True) (see
-  // csrc/norm.h). saved is x, or y when memory_efficient; dweight/dbias are empty when
+  // csrc/norm/norm.h). saved is x, or y when memory_efficient; dweight/dbias are empty when
   // weight/bias are None.
   m.def(
       "layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "

@@ -1,9 +1,9 @@
 // fusedlayers::linear_cross_entropy_pass for PyTorch: schema and CPU/CUDA kernel (tensor
-// conversion around csrc/linear_cross_entropy.h, which checks the arguments and runs the chunk
+// conversion around csrc/loss/linear_cross_entropy.h, which checks the arguments and runs the chunk
 // loop) with ATen's GEMM on the tensors' device. Autograd, the reductions and the fake kernel are
 // fusedlayers/torch/linear_cross_entropy.py's: the pass is called by its forward and backward.
-#include "backends/torch/binding.h"
-#include "csrc/linear_cross_entropy.h"
+#include "backends/torch/torch_binding.h"
+#include "loss/linear_cross_entropy.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pass_kernel(
 
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
   // loss: each row's loss; with grad_scale (1 or N values), the gradients of sum_i scale_i loss_i
-  // (csrc/linear_cross_entropy.h), else empty tensors.
+  // (csrc/loss/linear_cross_entropy.h), else empty tensors.
   m.def("linear_cross_entropy_pass(Tensor input, Tensor linear_weight, Tensor? linear_bias, "
         "Tensor target, Tensor? grad_scale, int ignore_index, float label_smoothing, "
         "float softcap, float z_loss) -> (Tensor loss, Tensor dinput, Tensor dweight, "

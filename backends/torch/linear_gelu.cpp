@@ -1,11 +1,11 @@
 // fusedlayers::linear_gelu{,_with_pre,_backward} for PyTorch: schema, CPU/CUDA kernel (tensor
-// conversion around csrc/linear_gelu.h, which checks every argument and picks the device's
+// conversion around csrc/gemm/linear_gelu.h, which checks every argument and picks the device's
 // passes), autograd and autocast (the autocast dtype on CPU and CUDA, as for linear). The binding
 // hands csrc the framework's GEMMs: ATen's on the CPU (cpu_gemm), cuBLASLt with ATen's workspace
 // on CUDA.
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/linear_gelu.h"
+#include "backends/torch/torch_binding.h"
+#include "gemm/linear_gelu.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -62,7 +62,7 @@ void cpu_gemm(const Matrix& a, const Matrix& b, void* c, DType dtype) {
 GemmContext gemm_context(const at::Tensor& x) {
   GemmContext gemm{cpu_gemm, {}};
 #ifdef FUSEDLAYERS_WITH_CUDA
-  // csrc's handle, not ATen's (csrc/cublaslt.h says why), with ATen's workspace.
+  // csrc's handle, not ATen's (csrc/gemm/cublaslt.h says why), with ATen's workspace.
   if (x.is_cuda())
     gemm.lt = {cublaslt_handle(), at::cuda::getCUDABlasLtWorkspace(),
                at::cuda::getCUDABlasLtWorkspaceSize(), current_stream()};

@@ -1,9 +1,9 @@
 // fusedlayers::moe_permute and moe_unpermute (with their _backward ops) for PyTorch: schemas,
-// CPU/CUDA kernels (tensor conversion around csrc/moe.h, which checks the arguments) and autograd.
+// CPU/CUDA kernels (tensor conversion around csrc/moe/moe.h, which checks the arguments) and autograd.
 // No autocast kernel: the rows move in x's dtype, as the unfused gather and sum do.
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/moe.h"
+#include "backends/torch/torch_binding.h"
+#include "moe/moe.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -204,7 +204,7 @@ at::Tensor unpermute_autograd(const at::Tensor& ys, const at::Tensor& top_k_inde
 
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
   // x (tokens, hidden); top_k_index (tokens, top_k) int32/int64. xs (tokens * top_k, hidden) in
-  // expert order, row_index (tokens * top_k) int32, offsets (num_experts) int32 (csrc/moe.h).
+  // expert order, row_index (tokens * top_k) int32, offsets (num_experts) int32 (csrc/moe/moe.h).
   m.def("moe_permute(Tensor x, Tensor top_k_index, int num_experts) -> (Tensor xs, "
         "Tensor row_index, Tensor offsets)");
   m.def("moe_permute_backward(Tensor dxs, Tensor top_k_index, Tensor row_index, "

@@ -1,9 +1,9 @@
 // fusedlayers::relu_scale{,_with_mask,_backward} for PyTorch: schema, CPU/CUDA kernel (tensor
-// conversion around csrc/relu_scale.h, which checks the arguments) and autograd. No autocast
+// conversion around csrc/activation/relu_scale.h, which checks the arguments) and autograd. No autocast
 // kernel: the autocast keys fall through, so relu_scale runs in its input's dtype, as relu does.
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/relu_scale.h"
+#include "backends/torch/torch_binding.h"
+#include "activation/relu_scale.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -55,7 +55,7 @@ at::Tensor backward_kernel(const at::Tensor& dy_in, const at::Tensor& mask_in, d
   return dx;
 }
 
-// Saves the packed sign mask, not x: 1 bit per element (csrc/relu_scale.h).
+// Saves the packed sign mask, not x: 1 bit per element (csrc/activation/relu_scale.h).
 struct ReluScaleBackwardNode final : SavingNode<ReluScaleBackwardNode> {
   static constexpr const char* kName = "fusedlayers::ReluScaleBackwardNode";
   SavedVariable mask;
@@ -91,7 +91,7 @@ at::Tensor autograd_kernel(const at::Tensor& x, double alpha) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
-  // mask: uint32 words of packed bits, where x is not <= 0 (layout in csrc/relu_scale.h).
+  // mask: uint32 words of packed bits, where x is not <= 0 (layout in csrc/activation/relu_scale.h).
   m.def("relu_scale(Tensor x, float alpha) -> Tensor");
   m.def("relu_scale_with_mask(Tensor x, float alpha) -> (Tensor y, Tensor mask)");
   m.def("relu_scale_backward(Tensor dy, Tensor mask, float alpha) -> Tensor");

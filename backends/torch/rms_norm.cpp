@@ -1,8 +1,8 @@
 // fusedlayers::rms_norm{,_backward} for PyTorch: schema, CPU/CUDA kernel (tensor conversion
-// around csrc/rms_norm.h, which checks every argument), autograd and autocast.
+// around csrc/norm/rms_norm.h, which checks every argument), autograd and autocast.
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/rms_norm.h"
+#include "backends/torch/torch_binding.h"
+#include "norm/rms_norm.h"
 
 namespace fusedlayers::torch_binding {
 namespace {

@@ -1,9 +1,9 @@
 // fusedlayers::rope and rope_backward for PyTorch: schema, CPU/CUDA kernel (strided views around
-// csrc/rope.h, which checks the arguments), autograd (saves cos and sin only). No autocast
+// csrc/rope/rope.h, which checks the arguments), autograd (saves cos and sin only). No autocast
 // kernel: rope runs in q's dtype, as the unfused multiply-adds do with cos and sin cast to it.
 #include "backends/torch/autograd.h"
-#include "backends/torch/binding.h"
-#include "csrc/rope.h"
+#include "backends/torch/torch_binding.h"
+#include "rope/rope.h"
 
 namespace fusedlayers::torch_binding {
 namespace {

@@ -305,7 +305,7 @@ def like(t) -> jax.ShapeDtypeStruct:
 
 
 def stat_dtype(x):
-    """The norms' statistics dtype for x (csrc/norm.h)."""
+    """The norms' statistics dtype for x (csrc/norm/norm.h)."""
     return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
 
 

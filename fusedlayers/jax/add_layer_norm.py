@@ -1,6 +1,6 @@
 """The residual add inside LayerNorm on JAX arrays: the custom calls
-fusedlayers_add_layer_norm_{forward,backward} (backends/xla/add_norm.cc) under jax.custom_vjp.
-Same contract as fusedlayers.torch.add_layer_norm; csrc/add_norm.h checks the arguments."""
+fusedlayers_add_layer_norm_{forward,backward} (backends/xla/add_norm_ffi.cc) under jax.custom_vjp.
+Same contract as fusedlayers.torch.add_layer_norm; csrc/norm/add_norm.h checks the arguments."""
 
 import math
 from collections.abc import Sequence
@@ -22,7 +22,7 @@ def add_layer_norm(x, residual, normalized_shape: int | Sequence[int], weight=No
     """(y, h): h = x + residual in residual's dtype (x's, or float32 under half x), y =
     layer_norm(h) in x's dtype (Ba et al. 2016, arXiv:1607.06450). eps travels as a float32
     attribute. While tracing, raises TypeError for dtypes, ValueError for shapes and eps
-    (csrc/add_norm.h's rules and messages)."""
+    (csrc/norm/add_norm.h's rules and messages)."""
     shape = tuple(int(d) for d in _args.normalized_shape("fusedlayers.add_layer_norm",
                                                           normalized_shape))
     x, residual, weight, bias = _op.prepare("add_layer_norm", x=x, residual=residual,

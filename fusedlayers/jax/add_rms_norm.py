@@ -1,6 +1,6 @@
 """The residual add inside RMSNorm on JAX arrays: the custom calls
-fusedlayers_add_rms_norm_{forward,backward} (backends/xla/add_norm.cc) under jax.custom_vjp.
-Same contract as fusedlayers.torch.add_rms_norm; csrc/add_norm.h checks the arguments."""
+fusedlayers_add_rms_norm_{forward,backward} (backends/xla/add_norm_ffi.cc) under jax.custom_vjp.
+Same contract as fusedlayers.torch.add_rms_norm; csrc/norm/add_norm.h checks the arguments."""
 
 import math
 from collections.abc import Sequence
@@ -24,7 +24,7 @@ def add_rms_norm(x, residual, normalized_shape: int | Sequence[int], weight=None
     rms_norm(h) in x's dtype (Zhang & Sennrich 2019, arXiv:1910.07467; the gain 1 + weight with
     zero_centered). eps=None means the machine epsilon of x's dtype; it travels as a float32
     attribute. While tracing, raises TypeError for dtypes, ValueError for shapes and eps
-    (csrc/add_norm.h's rules and messages)."""
+    (csrc/norm/add_norm.h's rules and messages)."""
     shape = tuple(int(d) for d in _args.normalized_shape("fusedlayers.add_rms_norm",
                                                           normalized_shape))
     x, residual, weight = _op.prepare("add_rms_norm", x=x, residual=residual, weight=weight)

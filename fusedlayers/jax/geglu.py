@@ -1,6 +1,6 @@
 """GeGLU on JAX arrays: the custom calls fusedlayers_geglu_{forward,backward}
-(backends/xla/gated.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.geglu;
-csrc/gated.h checks the arguments."""
+(backends/xla/gated_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.geglu;
+csrc/activation/gated.h checks the arguments."""
 
 from functools import partial
 
@@ -18,7 +18,7 @@ def geglu(gate, up, approximate: str = "none") -> jax.Array:
     (float64 for float64) rounded once; the gradient saves gate and up and recomputes GELU.
     Returns gate's shape and dtype. While tracing, raises TypeError for other dtypes or a
     non-str approximate, ValueError for mismatched shapes or another approximate
-    (csrc/gated.h)."""
+    (csrc/activation/gated.h)."""
     gate, up = _op.prepare("geglu", gate=gate, up=up)
     if not isinstance(approximate, str):
         raise TypeError(f"fusedlayers.geglu: approximate must be a str, got "

@@ -1,6 +1,6 @@
 """grouped_gemm on JAX arrays: the custom calls fusedlayers_grouped_gemm_{forward,backward}
-(backends/xla/grouped_gemm.cc) under jax.custom_vjp. Same contract as
-fusedlayers.torch.grouped_gemm; csrc/grouped_gemm.h has the math and checks the arguments. The
+(backends/xla/grouped_gemm_ffi.cc) under jax.custom_vjp. Same contract as
+fusedlayers.torch.grouped_gemm; csrc/gemm/grouped_gemm.h has the math and checks the arguments. The
 calls are whole ops (_op.plain_call): under a sharded jit XLA hands them whole arrays; inside
 shard_map each device runs its own rows."""
 
@@ -29,7 +29,7 @@ def grouped_gemm(x, weight, offsets, *, transposed: bool = False) -> jax.Array:
     sm90 grouped GEMM) where they take the operands (bfloat16, k and n multiples of 8), else a
     tiled kernel; on the CPU a loop. Differentiable in x and weight (the dgrad and the wgrad,
     grouped GEMMs too). While tracing, raises TypeError for dtypes and ValueError for shapes
-    (csrc/grouped_gemm.h)."""
+    (csrc/gemm/grouped_gemm.h)."""
     x, = _op.prepare("grouped_gemm", x=x)
     weight = jnp.asarray(weight)
     offsets = jnp.asarray(offsets)

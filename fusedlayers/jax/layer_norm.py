@@ -1,6 +1,6 @@
 """LayerNorm on JAX arrays: the custom calls fusedlayers_layer_norm_{forward,backward}
-(backends/xla/layer_norm.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.layer_norm;
-csrc/layer_norm.h checks the arguments."""
+(backends/xla/layer_norm_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.layer_norm;
+csrc/norm/layer_norm.h checks the arguments."""
 
 import math
 from collections.abc import Sequence
@@ -23,7 +23,7 @@ def layer_norm(x, normalized_shape: int | Sequence[int], weight=None, bias=None,
     float32/float64/float16/bfloat16; weight, bias: normalized_shape, x's dtype or float32 for
     half x. Statistics in float32 (float64 for float64); eps travels as a float32 attribute.
     While tracing, raises TypeError for dtypes and non-int shapes, ValueError for shapes and
-    eps (csrc/layer_norm.h's rules and messages)."""
+    eps (csrc/norm/layer_norm.h's rules and messages)."""
     shape = tuple(int(d) for d in _args.normalized_shape("fusedlayers.layer_norm",
                                                           normalized_shape))
     x, weight, bias = _op.prepare("layer_norm", x=x, weight=weight, bias=bias)

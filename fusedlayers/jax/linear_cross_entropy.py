@@ -1,9 +1,9 @@
 """Linear + cross-entropy on JAX arrays without the logits, under jax.custom_vjp. On CUDA (in a
 CUDA build) one custom call, fusedlayers_linear_cross_entropy_gemm, runs csrc's whole chunk loop
-on cuBLASLt (backends/xla/linear_cross_entropy_cublaslt.cc), as the torch extension runs it on
+on cuBLASLt (backends/xla/linear_cross_entropy_cublaslt_ffi.cc), as the torch extension runs it on
 ATen's GEMMs; elsewhere a chunk loop (jax.lax.scan) whose steps are XLA's dots and the custom
-call fusedlayers_linear_cross_entropy_chunk (backends/xla/linear_cross_entropy.cc: csrc's row
-pass). Same contract as fusedlayers.torch.linear_cross_entropy; csrc/linear_cross_entropy.h has
+call fusedlayers_linear_cross_entropy_chunk (backends/xla/linear_cross_entropy_ffi.cc: csrc's row
+pass). Same contract as fusedlayers.torch.linear_cross_entropy; csrc/loss/linear_cross_entropy.h has
 the math, the chunk rule and the checks."""
 
 from functools import partial

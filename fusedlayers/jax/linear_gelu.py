@@ -1,8 +1,8 @@
 """Linear + GELU on JAX arrays under jax.custom_vjp. On the CPU: XLA's own dot, then the custom
-call fusedlayers_linear_gelu_forward (backends/xla/linear_gelu.cc: csrc's bias + GELU epilogue),
+call fusedlayers_linear_gelu_forward (backends/xla/linear_gelu_ffi.cc: csrc's bias + GELU epilogue),
 whose backward is the epilogue's gradient (with dbias) and XLA's dgrad and wgrad dots. On CUDA
 (CUDA builds): the whole op on cuBLASLt as the torch extension runs it, GEMMs and epilogues
-(fusedlayers_linear_gelu_gemm_*, backends/xla/linear_gelu_cublaslt.cc), which is faster than
+(fusedlayers_linear_gelu_gemm_*, backends/xla/linear_gelu_cublaslt_ffi.cc), which is faster than
 XLA's dot with its own fused bias + GELU. Same contract as fusedlayers.torch.linear_gelu. The dots
 run at full float32 precision (no TF32), accumulating in float32 for half inputs, as the torch
 op's GEMMs."""
@@ -25,7 +25,7 @@ def linear_gelu(x, weight, bias=None, approximate: str = "none") -> jax.Array:
     (..., in_features); weight: (out_features, in_features); bias: (out_features,) or None; one
     floating dtype. approximate: 'none' (erf) or 'tanh'. Returns (..., out_features). While
     tracing, raises ValueError on shape/approximate mismatches and TypeError on dtypes
-    (csrc/linear_gelu.h's rules and messages)."""
+    (csrc/gemm/linear_gelu.h's rules and messages)."""
     return _matmul_epilogue(x, weight, bias, approximate, True)
 
 

@@ -1,6 +1,6 @@
 """moe_permute on JAX arrays: the custom calls fusedlayers_moe_permute_{forward,backward}
-(backends/xla/moe.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.moe_permute;
-csrc/moe.h has the math and checks the arguments. The calls are not partitioned: under a sharded
+(backends/xla/moe_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.moe_permute;
+csrc/moe/moe.h has the math and checks the arguments. The calls are not partitioned: under a sharded
 jit XLA hands them whole arrays."""
 
 from functools import partial
@@ -32,7 +32,7 @@ def moe_permute(x, top_k_index, num_experts: int):
     top_k_index (tokens, top_k) int32/int64 (an id outside [0, num_experts) reaches no expert);
     xs (tokens * top_k, hidden), row_index (tokens * top_k,) int32, offsets (num_experts,) int32.
     Stable: pairs of one expert keep their token order. Differentiable in x. While tracing,
-    raises TypeError for dtypes and ValueError for shapes or num_experts (csrc/moe.h)."""
+    raises TypeError for dtypes and ValueError for shapes or num_experts (csrc/moe/moe.h)."""
     x, = _op.prepare("moe_permute", x=x)
     idx = index_array("moe_permute", "top_k_index", top_k_index)
     _op.check("moe_permute", x, tuple(idx.shape), int(num_experts))

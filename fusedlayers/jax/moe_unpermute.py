@@ -1,6 +1,6 @@
 """moe_unpermute on JAX arrays: the custom calls fusedlayers_moe_unpermute_{forward,backward}
-(backends/xla/moe.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.moe_unpermute;
-csrc/moe.h has the math and checks the arguments. The calls are not partitioned."""
+(backends/xla/moe_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.moe_unpermute;
+csrc/moe/moe.h has the math and checks the arguments. The calls are not partitioned."""
 
 from functools import partial
 
@@ -21,7 +21,7 @@ def moe_unpermute(ys, top_k_index, row_index, top_k_weights, num_experts: int) -
     top_k_index (tokens, top_k) int32/int64 and row_index (moe_permute's, int32), top_k_weights
     (tokens, top_k) float32 or ys' dtype, or None for 1. Returns (tokens, hidden) in ys' dtype,
     summed in float32 (float64 for float64) in j order. Differentiable in ys and top_k_weights.
-    While tracing, raises TypeError for dtypes and ValueError for shapes (csrc/moe.h)."""
+    While tracing, raises TypeError for dtypes and ValueError for shapes (csrc/moe/moe.h)."""
     ys, w = _op.prepare("moe_unpermute", ys=ys, top_k_weights=top_k_weights)
     idx = index_array("moe_unpermute", "top_k_index", top_k_index)
     rows = index_array("moe_unpermute", "row_index", row_index, int32_only=True)

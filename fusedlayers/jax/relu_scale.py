@@ -1,6 +1,6 @@
 """ReLU*scale on JAX arrays: the custom calls fusedlayers_relu_scale_{forward,backward}
-(backends/xla/relu_scale.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.relu_scale;
-csrc/relu_scale.h checks the arguments."""
+(backends/xla/relu_scale_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.relu_scale;
+csrc/activation/relu_scale.h checks the arguments."""
 
 from functools import partial
 
@@ -20,7 +20,7 @@ def relu_scale(x, alpha: float) -> jax.Array:
     in float32 (float64 for float64). x: any shape, float32/float64/float16/bfloat16. alpha
     travels as a float32 attribute. The gradient saves 1 bit per element (a packed mask), not x.
     While tracing, raises TypeError for other dtypes or a non-real alpha, ValueError for a
-    non-finite one (csrc/relu_scale.h)."""
+    non-finite one (csrc/activation/relu_scale.h)."""
     (x,) = _op.prepare("relu_scale", x=x)
     alpha = _args.real("fusedlayers.relu_scale", "alpha", alpha)
     _op.check("relu_scale", x, np.float32(alpha))

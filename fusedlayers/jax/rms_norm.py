@@ -1,6 +1,6 @@
 """RMSNorm on JAX arrays: the custom calls fusedlayers_rms_norm_{forward,backward}
-(backends/xla/rms_norm.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.rms_norm;
-csrc/rms_norm.h checks the arguments."""
+(backends/xla/rms_norm_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.rms_norm;
+csrc/norm/rms_norm.h checks the arguments."""
 
 import math
 from collections.abc import Sequence
@@ -80,7 +80,7 @@ def _gain(weight, acc, zero_centered):
 
 
 def xla_forward(x, weight, shape, eps, zero_centered):
-    """(y, rstd) as the kernel computes them (csrc/norm.h, NormMode::kRms), in jnp."""
+    """(y, rstd) as the kernel computes them (csrc/norm/norm.h, NormMode::kRms), in jnp."""
     acc = _op.stat_dtype(x)
     xf = x.astype(acc)
     rstd = jax.lax.rsqrt(jnp.mean(xf * xf, _axes(x, shape), keepdims=True) + eps)
@@ -91,7 +91,7 @@ def xla_forward(x, weight, shape, eps, zero_centered):
 
 
 def xla_backward(dy, x, rstd, weight, shape, zero_centered):
-    """(dx, dweight): dx = rstd (g - xhat mean(g xhat)), g = dy * gain (csrc/norm.h)."""
+    """(dx, dweight): dx = rstd (g - xhat mean(g xhat)), g = dy * gain (csrc/norm/norm.h)."""
     acc, axes = _op.stat_dtype(x), _axes(x, shape)
     dyf = dy.astype(acc)
     xhat = x.astype(acc) * rstd.reshape(*rstd.shape, *([1] * len(shape)))

@@ -1,6 +1,6 @@
 """Rotary position embedding on JAX arrays: the custom calls fusedlayers_rope_{forward,backward}
-(backends/xla/rope.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.rope;
-csrc/rope.h checks the arguments."""
+(backends/xla/rope_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.rope;
+csrc/rope/rope.h checks the arguments."""
 
 from functools import partial
 
@@ -21,7 +21,7 @@ def rope(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
     seq are the rows that shard across devices; with 1, batch); cos, sin (batch or 1, seq,
     rotary_dim), float32 or q's dtype. cos and sin are constants of the positions: their
     gradient is zero, as under jax.lax.stop_gradient. While tracing, raises TypeError for dtypes
-    and ValueError for shapes or another unsqueeze_dim (csrc/rope.h)."""
+    and ValueError for shapes or another unsqueeze_dim (csrc/rope/rope.h)."""
     q, k, cos, sin = _op.prepare("rope", q=q, k=k, cos=cos, sin=sin)
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
         raise TypeError(f"fusedlayers.rope: unsqueeze_dim must be an int, got "
@@ -61,7 +61,7 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def _xla_rotate(x, cos, sin, unsqueeze_dim, interleaved, transpose):
-    """XLA's formula of the kernel's rotation (csrc/rope.h) of x's first rotary_dim dims, or
+    """XLA's formula of the kernel's rotation (csrc/rope/rope.h) of x's first rotary_dim dims, or
     (transpose, the backward) of its transpose: dx = dy cos + rot^T(dy sin)."""
     acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
     c, s = (jnp.expand_dims(t, unsqueeze_dim).astype(acc) for t in (cos, sin))

@@ -1,6 +1,6 @@
 """SwiGLU on JAX arrays: the custom calls fusedlayers_swiglu_{forward,backward}
-(backends/xla/gated.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.swiglu;
-csrc/gated.h checks the arguments."""
+(backends/xla/gated_ffi.cc) under jax.custom_vjp. Same contract as fusedlayers.torch.swiglu;
+csrc/activation/gated.h checks the arguments."""
 
 import jax
 
@@ -16,7 +16,7 @@ def swiglu(gate, up) -> jax.Array:
     and dtype (float32/float64/float16/bfloat16), math in float32 (float64 for float64) rounded
     once; the gradient saves gate and up and recomputes silu. Returns gate's shape and dtype.
     While tracing, raises TypeError for other dtypes and ValueError for mismatched shapes
-    (csrc/gated.h)."""
+    (csrc/activation/gated.h)."""
     gate, up = _op.prepare("swiglu", gate=gate, up=up)
     _op.check("swiglu", gate, up)
     return _swiglu(gate, up)

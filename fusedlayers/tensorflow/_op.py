@@ -2,7 +2,7 @@
 is first imported (without it, importing still works and the first call raises
 fusedlayers.NotBuiltError), argument conversion, the error type and gradient registration.
 
-Every op has an XLA kernel (backends/tensorflow/xla.h): under jit_compile=True it compiles to a
+Every op has an XLA kernel (backends/tensorflow/xla_kernel.h): under jit_compile=True it compiles to a
 custom call of the same kernels. Gradients are registered for the forward ops and call the backward ops, so they work
 eagerly, in tf.function, under tf.GradientTape and in a reloaded SavedModel (importing the op's
 module, which a reload needs anyway to load the op library, registers them).
@@ -69,7 +69,7 @@ def check(op: str, *arguments) -> None:
 
 
 def stat_dtype(x: tf.Tensor) -> tf.DType:
-    """The norms' statistics dtype for x (csrc/norm.h), the ops' attribute U."""
+    """The norms' statistics dtype for x (csrc/norm/norm.h), the ops' attribute U."""
     return tf.float64 if x.dtype == tf.float64 else tf.float32
 
 

@@ -1,6 +1,6 @@
 """The residual add inside LayerNorm on TensorFlow tensors: the FusedlayersAddLayerNorm op
 (backends/tensorflow/add_norm.cc) and its gradient. Same contract as
-fusedlayers.torch.add_layer_norm; csrc/add_norm.h checks the arguments (InvalidArgumentError)."""
+fusedlayers.torch.add_layer_norm; csrc/norm/add_norm.h checks the arguments (InvalidArgumentError)."""
 
 from collections.abc import Sequence
 

@@ -1,6 +1,6 @@
 """The residual add inside RMSNorm on TensorFlow tensors: the FusedlayersAddRmsNorm op
 (backends/tensorflow/add_norm.cc) and its gradient. Same contract as
-fusedlayers.torch.add_rms_norm; csrc/add_norm.h checks the arguments (InvalidArgumentError)."""
+fusedlayers.torch.add_rms_norm; csrc/norm/add_norm.h checks the arguments (InvalidArgumentError)."""
 
 from collections.abc import Sequence
 

@@ -1,5 +1,5 @@
 """GeGLU on TensorFlow tensors: the FusedlayersGeglu op (backends/tensorflow/gated.cc) and its
-gradient. Same contract as fusedlayers.torch.geglu; csrc/gated.h checks the arguments
+gradient. Same contract as fusedlayers.torch.geglu; csrc/activation/gated.h checks the arguments
 (InvalidArgumentError)."""
 
 import tensorflow as tf

@@ -1,6 +1,6 @@
 """grouped_gemm on TensorFlow tensors: the FusedlayersGroupedGemm op
 (backends/tensorflow/grouped_gemm.cc) and its gradient. Same contract as
-fusedlayers.torch.grouped_gemm; csrc/grouped_gemm.h checks the arguments
+fusedlayers.torch.grouped_gemm; csrc/gemm/grouped_gemm.h checks the arguments
 (InvalidArgumentError)."""
 
 import functools

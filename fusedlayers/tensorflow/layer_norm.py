@@ -1,5 +1,5 @@
 """LayerNorm on TensorFlow tensors: the FusedlayersLayerNorm op (backends/tensorflow/layer_norm.cc)
-and its gradient. Same contract as fusedlayers.torch.layer_norm; csrc/layer_norm.h checks the
+and its gradient. Same contract as fusedlayers.torch.layer_norm; csrc/norm/layer_norm.h checks the
 arguments (InvalidArgumentError)."""
 
 from collections.abc import Sequence

@@ -1,7 +1,7 @@
 """Linear + cross-entropy on TensorFlow tensors without the logits: a chunk loop
 (tf.while_loop) whose steps are TF's matmuls and the op FusedlayersLinearCrossEntropyChunk
 (backends/tensorflow/linear_cross_entropy.cc: csrc's row pass), under tf.custom_gradient. Same
-contract as fusedlayers.torch.linear_cross_entropy; csrc/linear_cross_entropy.h has the math,
+contract as fusedlayers.torch.linear_cross_entropy; csrc/loss/linear_cross_entropy.h has the math,
 the chunk rule and the checks. Runs eagerly, in tf.function (a batch size unknown while tracing
 included) and under XLA (jit_compile=True: the chunk op's XLA kernel is JAX's custom call)."""
 

@@ -1,5 +1,5 @@
 """moe_permute on TensorFlow tensors: the FusedlayersMoePermute op (backends/tensorflow/moe.cc)
-and its gradient. Same contract as fusedlayers.torch.moe_permute; csrc/moe.h checks the arguments
+and its gradient. Same contract as fusedlayers.torch.moe_permute; csrc/moe/moe.h checks the arguments
 (InvalidArgumentError). Outside XLA the op runs on the CPU (TF keeps int32 tensors of GPU ops in
 host memory); under jit_compile, on XLA's device."""
 

@@ -1,6 +1,6 @@
 """moe_unpermute on TensorFlow tensors: the FusedlayersMoeUnpermute op
 (backends/tensorflow/moe.cc) and its gradient. Same contract as fusedlayers.torch.moe_unpermute;
-csrc/moe.h checks the arguments (InvalidArgumentError)."""
+csrc/moe/moe.h checks the arguments (InvalidArgumentError)."""
 
 import tensorflow as tf
 

@@ -1,5 +1,5 @@
 """ReLU*scale on TensorFlow tensors: the FusedlayersReluScale op (backends/tensorflow/relu_scale.cc)
-and its gradient. Same contract as fusedlayers.torch.relu_scale; csrc/relu_scale.h checks the
+and its gradient. Same contract as fusedlayers.torch.relu_scale; csrc/activation/relu_scale.h checks the
 arguments (InvalidArgumentError)."""
 
 import tensorflow as tf

@@ -1,5 +1,5 @@
 """RMSNorm on TensorFlow tensors: the FusedlayersRmsNorm op (backends/tensorflow/rms_norm.cc) and
-its gradient. Same contract as fusedlayers.torch.rms_norm; csrc/rms_norm.h checks the arguments
+its gradient. Same contract as fusedlayers.torch.rms_norm; csrc/norm/rms_norm.h checks the arguments
 (InvalidArgumentError)."""
 
 from collections.abc import Sequence

@@ -1,6 +1,6 @@
 """Rotary position embedding on TensorFlow tensors: the FusedlayersRope op
 (backends/tensorflow/rope.cc) and its gradient. Same contract as fusedlayers.torch.rope;
-csrc/rope.h checks the arguments (InvalidArgumentError)."""
+csrc/rope/rope.h checks the arguments (InvalidArgumentError)."""
 
 import math
 

@@ -1,5 +1,5 @@
 """SwiGLU on TensorFlow tensors: the FusedlayersSwiglu op (backends/tensorflow/gated.cc) and its
-gradient. Same contract as fusedlayers.torch.swiglu; csrc/gated.h checks the arguments
+gradient. Same contract as fusedlayers.torch.swiglu; csrc/activation/gated.h checks the arguments
 (InvalidArgumentError)."""
 
 import tensorflow as tf

@@ -29,7 +29,7 @@ def _jit_build() -> None:
     cpp_extension.load(
         name="fusedlayers_torch",
         sources=[str(p) for p in sources],
-        extra_include_paths=[str(_sources.ROOT)],
+        extra_include_paths=list(_sources.INCLUDE_DIRS),
         extra_cflags=[*_sources.CXX_FLAGS, *openmp, *([_sources.CUDA_DEFINE] if cuda else [])],
         extra_ldflags=[str(archive), *openmp,
                        *([f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else [])],

@@ -43,7 +43,7 @@ def check_devices(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
 
 
 def stat_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of the norms' mean/rstd for x (csrc/norm.h)."""
+    """The dtype of the norms' mean/rstd for x (csrc/norm/norm.h)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 

@@ -1,5 +1,5 @@
 """fusedlayers.torch.AdamW: torch.optim.AdamW whose step is csrc's multi-tensor AdamW
-(csrc/adamw.h): every parameter of a device in one pass over its tensors (a launch per few
+(csrc/optimizer/adamw.h): every parameter of a device in one pass over its tensors (a launch per few
 hundred tensors on CUDA), with float32 master weights for float16/bfloat16 parameters, moments
 in another dtype than the parameters', gradient-norm clipping, AMP's GradScaler and CUDA graphs.
 

@@ -1,6 +1,6 @@
 """The residual add inside LayerNorm on torch tensors: `fusedlayers::add_layer_norm`
 (backends/torch/add_norm.cpp), its fake kernels, the functional API and `AddLayerNorm`, the
-unfused reference and Inductor's lowering. The math: csrc/add_norm.h and csrc/norm.h
+unfused reference and Inductor's lowering. The math: csrc/norm/add_norm.h and csrc/norm/norm.h
 (NormMode::kLayer with a residual)."""
 
 from collections.abc import Sequence
@@ -30,7 +30,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor,
     shape, x's dtype or float32 (half x). weight, bias: normalized_shape, x's dtype or float32
     (half x), one dtype for both. Returns y in x's dtype and h in residual's (h rounded to it
     before the norm, as the unfused add). Raises ValueError on shape/device/eps errors,
-    TypeError on dtype errors. Math: Ba et al. 2016 (arXiv:1607.06450), csrc/norm.h.
+    TypeError on dtype errors. Math: Ba et al. 2016 (arXiv:1607.06450), csrc/norm/norm.h.
     """
     shape = _args.normalized_shape("fusedlayers.add_layer_norm", normalized_shape)
     eps = _args.real("fusedlayers.add_layer_norm", "eps", eps)
@@ -84,7 +84,7 @@ def _forward(x, residual, normalized_shape, weight, bias, eps):
 
 
 def _backward(dy, dh, h, mean, rstd, normalized_shape, weight, bias):
-    # the norm's dx in h's dtype, then dh added in it (csrc/norm.h)
+    # the norm's dx in h's dtype, then dh added in it (csrc/norm/norm.h)
     dnorm, dweight, dbias = _ln_backward(dy.to(h.dtype), h, mean, rstd, normalized_shape,
                                           weight, bias)
     dres = dnorm if dh is None else dnorm + dh

@@ -1,7 +1,7 @@
 """The residual add inside RMSNorm on torch tensors: `fusedlayers::add_rms_norm`
 (backends/torch/add_norm.cpp: schema, kernels, autograd), its fake kernels, the
 functional API and `AddRMSNorm`, the unfused reference and Inductor's lowering. The math:
-csrc/add_norm.h and csrc/norm.h (NormMode::kRms with a residual)."""
+csrc/norm/add_norm.h and csrc/norm/norm.h (NormMode::kRms with a residual)."""
 
 from collections.abc import Sequence
 
@@ -30,7 +30,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, normalized_shape: int 
     normalized_shape, x's dtype or float32 (half x). eps: None means torch.finfo(x.dtype).eps.
     zero_centered: gain 1 + weight (Gemma). Returns y in x's dtype and h in residual's (h rounded
     to it before the norm, as the unfused add). Raises ValueError on shape/device/eps errors,
-    TypeError on dtype errors. Math: Zhang & Sennrich 2019 (arXiv:1910.07467), csrc/norm.h.
+    TypeError on dtype errors. Math: Zhang & Sennrich 2019 (arXiv:1910.07467), csrc/norm/norm.h.
     """
     shape = _args.normalized_shape("fusedlayers.add_rms_norm", normalized_shape)
     y, h, _ = add_rms_norm_op(x, residual, shape, weight, _eps(eps, x), bool(zero_centered))
@@ -86,7 +86,7 @@ def _forward(x, residual, normalized_shape, weight, eps, zero_centered=False):
 
 
 def _backward(dy, dh, h, rstd, normalized_shape, weight, zero_centered=False):
-    # the norm's dx in h's dtype, then dh added in it (csrc/norm.h)
+    # the norm's dx in h's dtype, then dh added in it (csrc/norm/norm.h)
     dnorm, dweight = _rms_backward(dy.to(h.dtype), h, rstd, normalized_shape, weight,
                                     zero_centered)
     dres = dnorm if dh is None else dnorm + dh

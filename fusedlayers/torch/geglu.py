@@ -1,6 +1,6 @@
 """GeGLU on torch tensors: `fusedlayers::geglu` (backends/torch/gated.cpp: schema, kernels,
 autograd, autocast), its fake kernels, the functional API, `GeGLUMLP` (fuse()'s module for
-Gemma-style MLPs), the unfused reference and Inductor's lowering. The math: csrc/gated.h."""
+Gemma-style MLPs), the unfused reference and Inductor's lowering. The math: csrc/activation/gated.h."""
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ geglu_op = _op.handle("geglu")
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(gate) * up in one pass, replacing `F.gelu(gate, approximate=approximate) * up`
     (Shazeer 2020, "GLU Variants Improve Transformer", arXiv:2002.05202; Gemma's MLP uses
-    approximate='tanh'). GELU's forms: Hendrycks & Gimpel 2016 (csrc/gelu.h).
+    approximate='tanh'). GELU's forms: Hendrycks & Gimpel 2016 (csrc/activation/gelu.h).
 
     gate, up: one shape and dtype, float32/float64/float16/bfloat16, any layout (the halves of
     one projection split with chunk(2, -1) are read in place). approximate: 'none' (erf) or

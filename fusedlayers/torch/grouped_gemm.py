@@ -1,6 +1,6 @@
 """grouped_gemm on torch tensors: `fusedlayers::grouped_gemm` (backends/torch/grouped_gemm.cpp:
 schema, kernels, autograd), its fake kernels, the functional API, the unfused reference and the
-bench case. The math: csrc/grouped_gemm.h."""
+bench case. The math: csrc/gemm/grouped_gemm.h."""
 
 import torch
 import torch.nn.functional as F

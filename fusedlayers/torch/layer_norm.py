@@ -1,6 +1,6 @@
 """LayerNorm on torch tensors: `fusedlayers::layer_norm` (backends/torch/layer_norm.cpp: schema,
 kernels, autograd, autocast), its fake kernels, the functional API and `LayerNorm`, drop-in for
-`torch.nn.LayerNorm`, the unfused reference and Inductor's lowering. The math: csrc/norm.h
+`torch.nn.LayerNorm`, the unfused reference and Inductor's lowering. The math: csrc/norm/norm.h
 (NormMode::kLayer). Under torch.autocast it runs in
 float32 on CUDA and in the input dtype on the CPU, as `torch.nn.functional.layer_norm` there;
 float64 stays float64."""
@@ -134,7 +134,7 @@ def _(dy, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=Fa
 # ---------------------------------------------------------------- Inductor's lowering
 
 def _forward(x, normalized_shape, weight, bias, eps, memory_efficient=False, rms_scaling=False):
-    # The math of csrc/norm.h: statistics and output in float32 (float64 for float64),
+    # The math of csrc/norm/norm.h: statistics and output in float32 (float64 for float64),
     # returned in the leading shape; rms_scaling=True scales x itself (Keras' rms_scaling).
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
     xf = x.to(_op.stat_dtype(x))
@@ -152,7 +152,7 @@ def _forward(x, normalized_shape, weight, bias, eps, memory_efficient=False, rms
 def _backward(dy, saved, mean, rstd, normalized_shape, weight, bias, memory_efficient=False,
               rms_scaling=False):
     # With g = dy * weight: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), or for
-    # rms_scaling=True dx = rstd * (g - x_hat * rstd * mean(g * x)) (csrc/norm.h).
+    # rms_scaling=True dx = rstd * (g - x_hat * rstd * mean(g * x)) (csrc/norm/norm.h).
     dims = list(range(saved.dim() - len(normalized_shape), saved.dim()))
     lead_dims = list(range(dims[0]))
     keep = (*mean.shape, *([1] * len(dims)))

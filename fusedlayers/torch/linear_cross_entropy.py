@@ -2,7 +2,7 @@
 (a custom op: under torch.compile it stays one op, never decomposed into the logits it exists to
 avoid) on the pass `fusedlayers::linear_cross_entropy_pass` (backends/torch/
 linear_cross_entropy.cpp), its autograd and fake kernel, and the unfused reference. The math and
-the chunking: csrc/linear_cross_entropy.h."""
+the chunking: csrc/loss/linear_cross_entropy.h."""
 
 import torch
 import torch.nn.functional as F
@@ -203,7 +203,7 @@ DECOMPOSITIONS = {}
 
 def _decomposed(input, weight, bias, target, items, reduction, ignore_index, label_smoothing,
                 softcap, z_loss, grads):
-    """The operator in aten ops, returning what it returns (csrc/linear_cross_entropy.h's
+    """The operator in aten ops, returning what it returns (csrc/loss/linear_cross_entropy.h's
     formulas on the whole N x V logits): what torch.onnx.export writes, and what fake-tensor
     tracing (AOTAutograd) reads from the same table."""
     acc = _loss_dtype(input)

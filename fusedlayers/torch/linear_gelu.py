@@ -1,7 +1,7 @@
 """Linear + GELU on torch tensors: `fusedlayers::linear_gelu` (backends/torch/linear_gelu.cpp:
 schema, kernels, autograd, autocast), its fake kernels, the functional API and the modules
 `FusedLinearGELU` (nn.Linear's layout) and `FusedConv1DGELU` (GPT-2's Conv1D layout), the unfused
-reference and Inductor's lowering. The math: csrc/linear_gelu.h. Under torch.autocast it runs in the autocast dtype, as
+reference and Inductor's lowering. The math: csrc/gemm/linear_gelu.h. Under torch.autocast it runs in the autocast dtype, as
 `torch.nn.functional.linear`; float64 stays float64."""
 
 import torch

@@ -3,7 +3,7 @@ compute them, with the memory-bound glue around the two grouped GEMMs fused: `mo
 (moe_permute, the grouped up-projection, the gated activation, the grouped down-projection,
 moe_unpermute), its unfused reference, fuse()'s rule for transformers' experts modules and the
 bench case. The GEMMs are the framework's (`torch.nn.functional.grouped_mm` where the device and
-dtype have it, a loop over the experts elsewhere); the rest is csrc's (csrc/moe.h, csrc/gated.h).
+dtype have it, a loop over the experts elsewhere); the rest is csrc's (csrc/moe/moe.h, csrc/activation/gated.h).
 """
 
 import types

@@ -1,6 +1,6 @@
 """moe_unpermute on torch tensors: `fusedlayers::moe_unpermute` (backends/torch/moe.cpp: schema,
 kernels, autograd), its fake kernels, the functional API, the unfused reference and the bench
-case. The math: csrc/moe.h."""
+case. The math: csrc/moe/moe.h."""
 
 import torch
 

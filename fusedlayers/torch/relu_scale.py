@@ -1,7 +1,7 @@
 """ReLU*scale on torch tensors: `fusedlayers::relu_scale` (backends/torch/relu_scale.cpp: schema,
 kernels, autograd; no autocast kernel, so it runs in its input's dtype, as relu), its fake
 kernels, the functional API, `FusedReLUScale`, the unfused reference and Inductor's lowering.
-The math: csrc/relu_scale.h."""
+The math: csrc/activation/relu_scale.h."""
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ def _(dy, mask, alpha):
 # ---------------------------------------------------------------- Inductor's lowering
 
 def _with_mask(x, alpha):
-    # The mask in csrc/relu_scale.h's layout: bit i % 32 of word i / 32 set where x[i] is not
+    # The mask in csrc/activation/relu_scale.h's layout: bit i % 32 of word i / 32 set where x[i] is not
     # <= 0, zero-padded; uint32 words as the operator returns them.
     n = x.numel()
     words = (n + 31) // 32

@@ -1,6 +1,6 @@
 """RMSNorm on torch tensors: `fusedlayers::rms_norm` (backends/torch/rms_norm.cpp: schema,
 kernels, autograd, autocast), its fake kernels, the functional API and `RMSNorm`, drop-in for
-`torch.nn.RMSNorm`, the unfused reference and Inductor's lowering. The math: csrc/norm.h
+`torch.nn.RMSNorm`, the unfused reference and Inductor's lowering. The math: csrc/norm/norm.h
 (NormMode::kRms)."""
 
 from collections.abc import Sequence
@@ -139,7 +139,7 @@ def _(dy, x, rstd, normalized_shape, weight, zero_centered=False):
 # ---------------------------------------------------------------- Inductor's lowering
 
 def _forward(x, normalized_shape, weight, eps, zero_centered=False):
-    # csrc/norm.h, NormMode::kRms: rstd in float32 (float64 for float64), the gain 1 + weight
+    # csrc/norm/norm.h, NormMode::kRms: rstd in float32 (float64 for float64), the gain 1 + weight
     # with zero_centered (1 where weight is absent), added in that type.
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
     xf = x.to(_op.stat_dtype(x))
@@ -152,7 +152,7 @@ def _forward(x, normalized_shape, weight, eps, zero_centered=False):
 
 def _backward(dy, x, rstd, normalized_shape, weight, zero_centered=False):
     # With g = dy * gain and x_hat = x * rstd: dx = rstd * (g - x_hat * mean(g * x_hat)),
-    # dweight = sum over rows of dy * x_hat (csrc/norm.h).
+    # dweight = sum over rows of dy * x_hat (csrc/norm/norm.h).
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
     acc = _op.stat_dtype(x)
     dy, xf = dy.to(acc), x.to(acc)

@@ -1,7 +1,7 @@
 """Rotary position embedding on torch tensors: `fusedlayers::rope` (backends/torch/rope.cpp:
 schema, kernels, autograd), its fake kernels, the functional API with Hugging Face's signature,
 the unfused reference, Inductor's lowering, and fuse()'s per-instance rule for attention modules
-that call `apply_rotary_pos_emb`. The math: csrc/rope.h."""
+that call `apply_rotary_pos_emb`. The math: csrc/rope/rope.h."""
 
 import types
 

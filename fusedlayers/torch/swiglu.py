@@ -1,6 +1,6 @@
 """SwiGLU on torch tensors: `fusedlayers::swiglu` (backends/torch/gated.cpp: schema, kernels,
 autograd, autocast), its fake kernels, the functional API, `SwiGLUMLP` (fuse()'s module for
-Llama-style MLPs), the unfused reference and Inductor's lowering. The math: csrc/gated.h."""
+Llama-style MLPs), the unfused reference and Inductor's lowering. The math: csrc/activation/gated.h."""
 
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,0 @@
-// The grouped GEMM's Hopper kernel for the kRowsKN layout (grouped_gemm_sm90.h).
-#include "grouped_gemm_sm90.cuh"
-
-FUSEDLAYERS_GROUPED_GEMM_SM90(fusedlayers::Sm90Layout::kRowsKN);
