@@ -382,7 +382,8 @@ def test_cuda_graph_capture(master, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_matches_cpu(dtype, seed):
     """The CUDA kernels (vector and one-element paths: odd sizes, a 2-byte offset) give the CPU's
-    values within one rounding."""
+    values within one rounding a step (the devices' sqrt and division may round the update
+    differently, and each step's parameter carries the last's difference)."""
     shapes = SHAPES + [(8192 * 3 + 5,)]
     cpu = make_params(shapes, dtype, "cpu", seed)
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
@@ -391,12 +392,13 @@ def test_cuda_matches_cpu(dtype, seed):
     gpu.append(offset)
     master = dtype != torch.float32
     a, b = AdamW(cpu, lr=1e-2, master_weights=master), AdamW(gpu, lr=1e-2, master_weights=master)
-    for step in range(3):
+    steps = 3
+    for step in range(steps):
         set_grads([cpu, gpu], seed + step)
         a.step()
         b.step()
     for p, q in zip(cpu, gpu):
-        assert rel_err(q.cpu(), p) <= torch.finfo(dtype).eps
+        assert rel_err(q.cpu(), p) <= steps * torch.finfo(dtype).eps
 
 
 FSDP_SCRIPT = textwrap.dedent("""

@@ -312,13 +312,18 @@ def test_interleaved_rounds_rows_that_do_not_fit_say_so():
     assert "did not run: out of memory" in table.format_table([row], {"copy_gbs": 1.0}, "cpu")
 
 
-def test_model_bench_row_that_cannot_run_says_why(monkeypatch):
-    """The unfused model out of memory: its row says so, with the fused model's time."""
+@pytest.mark.parametrize("fits_steps", [0, 1], ids=["warming-up", "timed"])
+def test_model_bench_row_that_cannot_run_says_why(monkeypatch, fits_steps):
+    """The unfused model out of memory, in its warm-up or only once the timed rounds run beside
+    the other variants: its row says so, with the fused model's time."""
     step = model_bench._Variant.step
+    unfused_steps = []
 
     def unfused_out_of_memory(self, inputs):
         if not hasattr(self.model, "fusedlayers_report"):  # fuse() marks the fused model
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+            unfused_steps.append(1)
+            if len(unfused_steps) > fits_steps:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
         return step(self, inputs)
     monkeypatch.setattr(model_bench._Variant, "step", unfused_out_of_memory)
     row, = model_bench.run("llama", "cpu", batches=(2,), precisions=("fp32",), modes=("eager",),

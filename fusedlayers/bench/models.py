@@ -327,24 +327,38 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                                                  around=_liger(liger), opt=opt, adamw=adamw)
                 t_start = time.perf_counter()
                 not_run = {}
-                for k, v in list(variants.items()):
-                    try:
-                        for _ in range(warmup):  # compiles, autotunes, fills caches
-                            v.step(inputs)
-                    except Exception as e:  # noqa: BLE001 (out of memory: the row says so)
-                        if not out_of_memory(e):
-                            raise
-                        not_run[k] = did_not_run(e)
-                        del variants[k]
-                        if dev.type == "cuda":
-                            torch.cuda.empty_cache()
+
+                def each(order, fn):
+                    """fn(name, variant) for the variants in `order` still running; one that runs
+                    out of memory (warming up, timed, profiled) stops there and its row says so."""
+                    for k in order:
+                        if k not in variants:
+                            continue
+                        try:
+                            fn(k, variants[k])
+                        except Exception as e:  # noqa: BLE001 (out of memory: the row says so)
+                            if not out_of_memory(e):
+                                raise
+                            not_run[k] = did_not_run(e)
+                            del variants[k]
+                            if dev.type == "cuda":
+                                torch.cuda.empty_cache()
+
+                def warm(k, v):  # compiles, autotunes, fills caches
+                    for _ in range(warmup):
+                        v.step(inputs)
+                each(list(variants), warm)
                 times = {k: [] for k in variants}
                 for r in range(rounds):
                     order = list(variants) if r % 2 == 0 else list(variants)[::-1]
-                    for k in order:
-                        times[k] += [variants[k].timed_step(inputs) for _ in range(steps)]
-                gpu = {k: v.gpu_ms(inputs) for k, v in variants.items()}
-                peak = {k: v.peak_mb(inputs) for k, v in variants.items()}
+                    each(order, lambda k, v: times[k].extend(
+                        v.timed_step(inputs) for _ in range(steps)))
+                gpu, peak = {}, {}
+                each(list(variants), lambda k, v: gpu.__setitem__(k, v.gpu_ms(inputs)))
+                each(list(variants), lambda k, v: peak.__setitem__(k, v.peak_mb(inputs)))
+                gpu = {k: g for k, g in gpu.items() if k in variants}
+                peak = {k: m for k, m in peak.items() if k in variants}
+                times = {k: t for k, t in times.items() if k in variants}
                 ms = {k: statistics.median(t) for k, t in times.items()}
                 both = "unfused" in ms and "fused" in ms
                 row = ModelRow(label, batch, precision, mode, ms.get("unfused"), ms.get("fused"),
