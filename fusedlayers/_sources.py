@@ -7,6 +7,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -282,13 +283,11 @@ def object_cache() -> Path:
 def compile_cached(command: list[str], src: Path, verbose: bool = False, key: str = "") -> Path:
     """The object of `command` -c src, compiled once: kept in the object cache by the hash of
     the command, the compilers' versions, `key` (a framework's version, whose headers the
-    command reads), the source, csrc's headers and those of the source's backends folder."""
-    headers = [*ROOT.glob("csrc/**/*.h"), *ROOT.glob("csrc/**/*.cuh")]
-    if "backends" in src.parts:
-        headers += src.parent.glob("*.h")
+    command reads), the source and the project's headers it includes (quoted includes, followed
+    through: a new kernel's header leaves the others' objects valid)."""
     digest = hashlib.sha256(repr((command, key, _compiler_version(command[0]),
                                   _compiler_version("g++"))).encode())
-    for path in [src, *sorted(headers)]:
+    for path in [src, *sorted(included_headers(src))]:
         digest.update(path.read_bytes())
     key = digest.hexdigest()
     obj = object_cache() / f"{src.stem}_{key[:24]}.o"
@@ -299,6 +298,25 @@ def compile_cached(command: list[str], src: Path, verbose: bool = False, key: st
             print(f"{src.name}:\n{printed}".rstrip())
         tmp.replace(obj)  # atomic: a concurrent build sees a whole object or none
     return obj
+
+
+def included_headers(src: Path) -> set[Path]:
+    """The project's headers that src includes, directly or through another: its quoted
+    includes resolved as the compiler does (the including file's folder, then INCLUDE_DIRS);
+    others (the frameworks', CUDA's) are left to the command's key."""
+    found, todo = set(), [src]
+    while todo:
+        current = todo.pop()
+        for name in _INCLUDE.findall(current.read_text()):
+            path = next((d / name for d in (current.parent, *map(Path, INCLUDE_DIRS))
+                         if (d / name).is_file()), None)
+            if path is not None and path.resolve() not in found:
+                found.add(path.resolve())
+                todo.append(path)
+    return found
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 
 
 @functools.cache

@@ -189,6 +189,17 @@ def test_objects_are_compiled_once_per_command_and_source(tmp_path, monkeypatch)
     assert _sources.compile_cached(cmd, source, key="framework 2") != first
     source.write_text("int one() { return 2; }\n")
     assert _sources.compile_cached(cmd, source) != first and len(compiled) == 4
+    # the headers it includes, directly or through another, count; another header does not
+    (tmp_path / "inner.h").write_text("#define ONE 1\n")
+    (tmp_path / "outer.h").write_text('#pragma once\n#include "inner.h"\n')
+    (tmp_path / "other.h").write_text("#define TWO 2\n")
+    source.write_text('#include "outer.h"\nint one() { return ONE; }\n')
+    assert _sources.included_headers(source) == {tmp_path / "outer.h", tmp_path / "inner.h"}
+    with_headers = _sources.compile_cached(cmd, source)
+    (tmp_path / "other.h").write_text("#define TWO 3\n")
+    assert _sources.compile_cached(cmd, source) == with_headers and len(compiled) == 5
+    (tmp_path / "inner.h").write_text("#define ONE 2\n")
+    assert _sources.compile_cached(cmd, source) != with_headers and len(compiled) == 6
 
 
 def test_a_library_is_built_once_per_sources_and_flags(tmp_path):
