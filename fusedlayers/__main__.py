@@ -166,6 +166,9 @@ def bench(argv: list[str]) -> int:
                         help="time one AdamW step over a model's parameters (GB/s), "
                              "fusedlayers.torch.AdamW beside torch's; with --framework jax, "
                              "optax's")
+    parser.add_argument("--fp8", action="store_true",
+                        help="time FP8 quantization (GB/s) beside the same in stock torch ops, "
+                             "eager and compiled (fusedlayers.bench.fp8)")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
         "for a 12-block MLP stack and the --model models (fusedlayers.bench.memory)")
@@ -177,6 +180,8 @@ def bench(argv: list[str]) -> int:
         args.rounds = 3 if args.quick else 5
     if args.optimizer:
         return _bench_optimizer(args)
+    if args.fp8:
+        return _bench_fp8(args)
     if args.framework == "tensorflow":
         if args.model or args.memory:
             parser.error("--framework tensorflow: the op bench only")
@@ -331,6 +336,21 @@ def _bench_optimizer(args) -> int:
         rows = ob.run(device, rounds=args.rounds, log=say)
     if args.json:
         ob.write_json(args.json, rows, name)
+    return 0
+
+
+def _bench_fp8(args) -> int:
+    import torch
+
+    from fusedlayers.bench import fp8
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else \
+        f"{platform.processor() or 'cpu'} ({torch.get_num_threads()} threads)"
+    print(f"device: {name}\n{fp8.HEADER}", flush=True)
+    rows = fp8.run(device, rounds=args.rounds, compile=not args.no_compile,
+                   log=lambda line: print(line, flush=True))
+    if args.json:
+        fp8.write_json(args.json, rows, name)
     return 0
 
 

@@ -7,10 +7,12 @@ from .. import ops as _ops
 from ..errors import NotBuiltError
 from . import _op
 from .adamw import AdamW
+from .fp8 import Fp8Quantized, fp8_quantize
 from .fuse import FuseReport, fuse
 from .linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["AdamW", "FuseReport", "NotBuiltError", "fuse", "linear_cross_entropy",
+__all__ = ["AdamW", "Fp8Quantized", "FuseReport", "NotBuiltError", "fp8_quantize", "fuse",
+           "linear_cross_entropy",
            *_ops.export(__name__, globals(), "torch")]
 
 if _op.LOAD_ERROR is None:
