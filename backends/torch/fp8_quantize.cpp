@@ -9,10 +9,18 @@ namespace {
 
 using Quantized = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// scale_inv of `sizes`, viewed as the contract's layout says: 1x128's [blocks, rows] buffer as
-// [rows, blocks] (column-major), the others as they are.
-at::Tensor scale_view(const at::Tensor& buffer, Fp8Scaling scaling) {
-  return scaling == Fp8Scaling::kBlock1x128 ? buffer.t() : buffer;
+// A scale_inv buffer of `sizes`: 1x128's [blocks, rows] buffer viewed as [rows, blocks]
+// (column-major), 128x128's padded rows cut to their tiles (the padding zeroed), a tensorwise
+// scale 0-d.
+at::Tensor scale_buffer(const Fp8ScaleSizes& sizes, Fp8Scaling scaling,
+                        const at::TensorOptions& f32) {
+  switch (scaling) {
+    case Fp8Scaling::kTensorwise: return at::empty({}, f32);
+    case Fp8Scaling::kBlock1x128: return at::empty({sizes.dim0, sizes.dim1}, f32).t();
+    case Fp8Scaling::kBlock128x128:
+      return at::zeros({sizes.dim0, sizes.ld}, f32).narrow(1, 0, sizes.dim1);
+  }
+  return {};
 }
 
 Quantized kernel(const at::Tensor& x_in, c10::string_view scaling_name,
@@ -30,13 +38,13 @@ Quantized kernel(const at::Tensor& x_in, c10::string_view scaling_name,
   const auto fp8 = a.format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(fp8));
-  const Fp8ScaleSizes ss = fp8_scale_sizes(a.scaling, rc.rows, rc.cols, false);
-  at::Tensor scale_inv = at::empty({ss.dim0, ss.dim1}, f32);
+  at::Tensor scale_inv =
+      scale_buffer(fp8_scale_sizes(a.scaling, rc.rows, rc.cols, false), a.scaling, f32);
   at::Tensor q_t, scale_inv_t, amax;
   if (transpose) {
-    const Fp8ScaleSizes st = fp8_scale_sizes(a.scaling, rc.rows, rc.cols, true);
     q_t = at::empty({rc.cols, rc.rows}, x.options().dtype(fp8));
-    scale_inv_t = at::empty({st.dim0, st.dim1}, f32);
+    scale_inv_t =
+        scale_buffer(fp8_scale_sizes(a.scaling, rc.rows, rc.cols, true), a.scaling, f32);
     a.q_t = static_cast<uint8_t*>(q_t.data_ptr());
     a.scale_inv_t = scale_inv_t.data_ptr<float>();
   }
@@ -48,12 +56,7 @@ Quantized kernel(const at::Tensor& x_in, c10::string_view scaling_name,
   a.scale_inv = scale_inv.data_ptr<float>();
   const c10::OptionalDeviceGuard guard(x.device());
   call_csrc([&] { fp8_quantize(a, exec_for(x)); });
-  if (a.scaling == Fp8Scaling::kTensorwise) {
-    scale_inv = scale_inv.reshape({});
-    if (transpose) scale_inv_t = scale_inv_t.reshape({});
-  }
-  return {q, scale_view(scale_inv, a.scaling), q_t,
-          transpose ? scale_view(scale_inv_t, a.scaling) : scale_inv_t};
+  return {q, scale_inv, q_t, scale_inv_t};
 }
 
 }  // namespace

@@ -19,11 +19,13 @@
 //   tensorwise: scale_inv [1];
 //   1x128:      scale_inv [ceil(cols/128) x rows] (block-major: as [rows, blocks] it is the
 //               column-major layout the blockwise GEMMs read);
-//   128x128:    scale_inv [ceil(rows/128) x ceil(cols/128)], row-major;
+//   128x128:    scale_inv [ceil(rows/128) x ceil(cols/128)], row-major with each row padded to a
+//               multiple of 4 floats (never read): cuBLASLt's layout for 128x128 scales;
 //   with transpose, also q_t (cols x rows: x^T quantized, what the weight gradient's GEMM
 //   contracts over the rows) and scale_inv_t: tensorwise the same scale; 1x128 blocks of x^T's
 //   rows, [ceil(rows/128) x cols]; 128x128 the tiles' scales transposed,
-//   [ceil(cols/128) x ceil(rows/128)]. Partial blocks at the edges scale what they hold.
+//   [ceil(cols/128) x ceil(rows/128)], padded likewise. Partial blocks at the edges scale what
+//   they hold.
 #pragma once
 
 #include <cfloat>
@@ -157,9 +159,10 @@ struct Fp8Quantize {
   float* amax = nullptr;           // tensorwise: 1 float of workspace (the tensor's amax after)
 };
 
-// The scale_inv shape ({dim0, dim1}) of scaling for x of rows x cols, or of its transpose.
+// The scale_inv shape ({dim0, dim1}) of scaling for x of rows x cols, or of its transpose, and
+// the stored row length ld (dim1, padded to a multiple of 4 for 128x128).
 struct Fp8ScaleSizes {
-  int64_t dim0, dim1;
+  int64_t dim0, dim1, ld;
 };
 Fp8ScaleSizes fp8_scale_sizes(Fp8Scaling scaling, int64_t rows, int64_t cols, bool transposed);
 

@@ -18,6 +18,8 @@ void quantize_stripes(const Fp8Quantize& a, const T* x, int64_t rows, int64_t co
   const bool pow2 = a.power_of_2_scales;
   const int64_t stripes = (rows + kFp8Block - 1) / kFp8Block;
   const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
+  const int64_t ld = fp8_scale_sizes(a.scaling, rows, cols, false).ld;
+  const int64_t ld_t = fp8_scale_sizes(a.scaling, rows, cols, true).ld;
   const float tensor_s = a.scaling == Fp8Scaling::kTensorwise ? fp8::multiplier(*a.amax, f, pow2)
                                                               : 0.f;
   parallel_for(stripes, 1, [&](int64_t begin, int64_t end) {
@@ -32,8 +34,8 @@ void quantize_stripes(const Fp8Quantize& a, const T* x, int64_t rows, int64_t co
           for (int64_t r = r0; r < r1; ++r)
             for (int64_t c = c0; c < c1; ++c) amax = fp8::amax_step(amax, to_acc(x[r * cols + c]));
           tile_s = fp8::multiplier(amax, f, pow2);
-          a.scale_inv[stripe * col_blocks + cb] = 1.f / tile_s;
-          if (a.q_t) a.scale_inv_t[cb * stripes + stripe] = 1.f / tile_s;
+          a.scale_inv[stripe * ld + cb] = 1.f / tile_s;
+          if (a.q_t) a.scale_inv_t[cb * ld_t + stripe] = 1.f / tile_s;
         }
         for (int64_t r = r0; r < r1; ++r) {
           const T* xr = x + r * cols;

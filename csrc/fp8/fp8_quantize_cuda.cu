@@ -1,12 +1,13 @@
-// CUDA FP8 quantization: one block of 256 threads per 128x128 tile. Each warp loads 16 of the
-// tile's rows (a lane 4 adjacent values of each), takes each row's 1x128 amax by warp shuffles
-// or the tile's by a block reduction, and writes the FP8 row; with transpose the tile also goes
-// through shared memory (rows padded to an odd number of words: conflict-free columns) and each
-// warp writes 16 of x^T's rows. Tensorwise scaling first reduces the tensor's amax (atomicMax on
-// the float's bits, which orders non-negative floats and puts NaN above Inf). The values go
-// through the hardware's conversion (two a cvt on sm_89+) of the float32 product, moved one ulp
-// toward the exact product where it lies on a tie of the FP8 grid: fp8.h's rounding, so results
-// match the CPU kernels bit for bit.
+// CUDA FP8 quantization by 128x128 tiles of x. Where x's rows are whole 16-byte chunks (the
+// usual case), staged_tile_kernel: persistent blocks copy the next tile into shared memory
+// (cp.async) while they quantize the current one from there, x's rows and, with transpose, x^T's
+// rows. Elsewhere quantize_tile_kernel: a block of 256 threads per tile, each warp loading 16 of
+// its rows (a lane 4 adjacent values of each) and, with transpose, passing the tile through
+// shared memory (rows padded to an odd number of words: conflict-free columns). Either takes
+// each 1x128 block's amax by warp shuffles or the tile's by a block reduction. Tensorwise
+// scaling first reduces the tensor's amax (atomicMax on the bits). The values go through the
+// hardware's conversion of the float32 product, moved one ulp toward the exact product where it
+// lies on a tie of the FP8 grid: fp8.h's rounding, so results match the CPU kernels bit for bit.
 #include <cuda_fp8.h>
 
 #include "fp8/fp8.h"
@@ -20,9 +21,13 @@ using cuda::to_acc;
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kRowsPerWarp = kFp8Block / kWarps;  // 16
 
-__device__ __forceinline__ float warp_amax(float v) {
+// Amaxes as the bits of |x|: unsigned order is float order for non-negative floats and puts
+// NaN above Inf, so the max keeps a NaN as fp8.h's amax does, in two integer operations.
+__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+__device__ __forceinline__ uint32_t warp_amax(uint32_t v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fp8::amax_step(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
@@ -41,13 +46,28 @@ __device__ __forceinline__ float magnitude_for_cvt(float x, float s, Fp8Format f
   return __uint_as_float(au);
 }
 
-// Two values quantized with multiplier s, as fp8::quantize does (sign from the product, NaN to
-// 0x7F): the first in the low byte.
+// Where the hardware's conversion of the float32 product p may differ from fp8.h's rule: p on a
+// tie of the format's normal grid, below its smallest normal (ties there have more dropped
+// bits; zero excepted), or NaN (the rule's 0x7F).
+__device__ __forceinline__ bool needs_exact_path(float p, Fp8Format f) {
+  const uint32_t au = abs_bits(p);
+  const bool e4m3 = f == Fp8Format::kE4M3;
+  const uint32_t low = e4m3 ? 0xfffffu : 0x1fffffu, half = (low >> 1) + 1;
+  const uint32_t min_normal = uint32_t(127 + (e4m3 ? -6 : -14)) << 23;
+  return (au & low) == half || au - 1u < min_normal - 1u || au > 0x7f800000u;
+}
+
+// Two values quantized with multiplier s, as fp8::quantize does: the first in the low byte.
+// Mostly the hardware's conversion (two a cvt on sm_89+) of the float32 products; where one may
+// differ from the rule (rare: ties, the format's subnormals, NaN), the tie-corrected magnitudes
+// and the product's sign, NaN to 0x7F.
 __device__ __forceinline__ uint32_t quantize2(float x0, float x1, float s, Fp8Format f) {
-  const float2 m = make_float2(magnitude_for_cvt(x0, s, f), magnitude_for_cvt(x1, s, f));
-  uint32_t q = __nv_cvt_float2_to_fp8x2(m, __NV_SATFINITE,
-                                        f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  const __nv_fp8_interpretation_t kind = f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
   const float p0 = x0 * s, p1 = x1 * s;
+  if (!(needs_exact_path(p0, f) || needs_exact_path(p1, f)))
+    return __nv_cvt_float2_to_fp8x2(make_float2(p0, p1), __NV_SATFINITE, kind);
+  const float2 m = make_float2(magnitude_for_cvt(x0, s, f), magnitude_for_cvt(x1, s, f));
+  uint32_t q = __nv_cvt_float2_to_fp8x2(m, __NV_SATFINITE, kind);
   q |= (__float_as_uint(p0) >> 31 << 7) | (__float_as_uint(p1) >> 31 << 15);
   if (p0 != p0) q = (q & 0xff00u) | 0x7fu;
   if (p1 != p1) q = (q & 0x00ffu) | 0x7f00u;
@@ -55,9 +75,13 @@ __device__ __forceinline__ uint32_t quantize2(float x0, float x1, float s, Fp8Fo
 }
 
 template <typename T>
-__host__ __device__ constexpr int tile_stride() { return kFp8Block + 4 / int(sizeof(T)); }  // odd words
+__host__ __device__ constexpr int tile_stride() {  // in values: rows of an odd number of words
+  return kFp8Block + 4 / int(sizeof(T));
+}
 
-template <typename T, Fp8Scaling kScaling, bool kTranspose, bool kVector>
+// Any x: one block per 128x128 tile, element loads (staged_tile_kernel takes rows of 16-byte
+// chunks).
+template <typename T, Fp8Scaling kScaling, bool kTranspose>
 __global__ void __launch_bounds__(kThreads)
     quantize_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
                          bool pow2, const float* __restrict__ tensor_amax,
@@ -65,53 +89,45 @@ __global__ void __launch_bounds__(kThreads)
                          uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t) {
   extern __shared__ unsigned char smem_raw[];
   T* tile = reinterpret_cast<T*>(smem_raw);
-  __shared__ float warp_max[kWarps];
+  __shared__ uint32_t warp_max[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t stripe = blockIdx.y, cb = blockIdx.x;
   const int64_t r0 = stripe * kFp8Block, c0 = cb * kFp8Block;
   const int64_t c = c0 + 4 * lane;
-  float v[kRowsPerWarp][4];
+  cuda::Vec<T, 4> raw[kRowsPerWarp];  // as loaded, widened where used
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int64_t r = r0 + warp + kWarps * i;
-    if constexpr (kVector) {
-      cuda::Vec<T, 4> in{};
-      if (r < rows && c < cols) in = *reinterpret_cast<const cuda::Vec<T, 4>*>(x + r * cols + c);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) v[i][k] = to_acc(in.v[k]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        v[i][k] = r < rows && c + k < cols ? to_acc(x[r * cols + c + k]) : 0.f;
-    }
+    for (int k = 0; k < 4; ++k)
+      raw[i].v[k] = r < rows && c + k < cols ? x[r * cols + c + k] : cuda::from_acc<T>(0.f);
   }
+  const auto v = [&](int i, int k) { return to_acc(raw[i].v[k]); };
   if constexpr (kTranspose) {
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
       for (int k = 0; k < 4; ++k)
-        tile[(warp + kWarps * i) * tile_stride<T>() + 4 * lane + k] =
-            cuda::from_acc<T>(v[i][k]);  // exact: v came from T
+        tile[(warp + kWarps * i) * tile_stride<T>() + 4 * lane + k] = raw[i].v[k];
   }
   float tile_s = 0.f;
   if constexpr (kScaling == Fp8Scaling::kTensorwise) {
     tile_s = fp8::multiplier(*tensor_amax, f, pow2);
   } else if constexpr (kScaling == Fp8Scaling::kBlock128x128) {
-    float amax = 0.f;
+    uint32_t amax = 0;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) amax = fp8::amax_step(amax, v[i][k]);
+      for (int k = 0; k < 4; ++k) amax = max(amax, abs_bits(v(i, k)));
     amax = warp_amax(amax);
     if (lane == 0) warp_max[warp] = amax;
     __syncthreads();
-    amax = 0.f;
-    for (int w = 0; w < kWarps; ++w) amax = fp8::amax_step(amax, warp_max[w]);
-    tile_s = fp8::multiplier(amax, f, pow2);
-    if (threadIdx.x == 0) {
-      const int64_t col_blocks = gridDim.x, stripes = gridDim.y;
-      scale_inv[stripe * col_blocks + cb] = 1.f / tile_s;
-      if (kTranspose) scale_inv_t[cb * stripes + stripe] = 1.f / tile_s;
+    for (int w = 0; w < kWarps; ++w) amax = max(amax, warp_max[w]);
+    tile_s = fp8::multiplier(__uint_as_float(amax), f, pow2);
+    if (threadIdx.x == 0) {  // rows of scales padded to 4 floats (fp8.h)
+      const int64_t ld = (gridDim.x + 3) / 4 * 4, ld_t = (gridDim.y + 3) / 4 * 4;
+      scale_inv[stripe * ld + cb] = 1.f / tile_s;
+      if (kTranspose) scale_inv_t[cb * ld_t + stripe] = 1.f / tile_s;
     }
   }
 #pragma unroll
@@ -119,22 +135,19 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = r0 + warp + kWarps * i;
     float s = tile_s;
     if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
-      float amax = 0.f;
+      uint32_t amax = 0;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) amax = fp8::amax_step(amax, v[i][k]);
+      for (int k = 0; k < 4; ++k) amax = max(amax, abs_bits(v(i, k)));
       amax = warp_amax(amax);  // the padding's zeros leave it as it is
-      s = fp8::multiplier(amax, f, pow2);
+      s = fp8::multiplier(__uint_as_float(amax), f, pow2);
       if (lane == 0 && r < rows) scale_inv[cb * rows + r] = 1.f / s;
     }
     if (r >= rows) continue;
-    const uint32_t out = quantize2(v[i][0], v[i][1], s, f) | quantize2(v[i][2], v[i][3], s, f) << 16;
-    if (kVector && c < cols) {
-      *reinterpret_cast<uint32_t*>(q + r * cols + c) = out;
-    } else {
+    const uint32_t out =
+        quantize2(v(i, 0), v(i, 1), s, f) | quantize2(v(i, 2), v(i, 3), s, f) << 16;
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (c + k < cols) q[r * cols + c + k] = uint8_t(out >> (8 * k));
-    }
+    for (int k = 0; k < 4; ++k)
+      if (c + k < cols) q[r * cols + c + k] = uint8_t(out >> (8 * k));
   }
   if constexpr (kTranspose) {
     __syncthreads();
@@ -148,11 +161,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < 4; ++i) t[i] = to_acc(tile[(lane + 32 * i) * tile_stride<T>() + tc]);
       float s = tile_s;
       if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
-        float amax = 0.f;
+        uint32_t amax = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) amax = fp8::amax_step(amax, t[i]);  // rows past x: zeros
+        for (int i = 0; i < 4; ++i) amax = max(amax, abs_bits(t[i]));  // rows past x: zeros
         amax = warp_amax(amax);
-        s = fp8::multiplier(amax, f, pow2);
+        s = fp8::multiplier(__uint_as_float(amax), f, pow2);
         if (lane == 0 && col < cols) scale_inv_t[stripe * cols + col] = 1.f / s;
       }
       if (col >= cols) continue;
@@ -169,17 +182,17 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     tensor_amax_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ amax_out) {
-  __shared__ float warp_max[kWarps];
-  float amax = 0.f;
+  __shared__ uint32_t warp_max[kWarps];
+  uint32_t amax = 0;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * kThreads)
-    amax = fp8::amax_step(amax, to_acc(x[i]));
+    amax = max(amax, abs_bits(to_acc(x[i])));
   amax = warp_amax(amax);
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) amax = fp8::amax_step(amax, warp_max[w]);
-    atomicMax(reinterpret_cast<unsigned int*>(amax_out), fp8::bits(amax));
+    for (int w = 0; w < kWarps; ++w) amax = max(amax, warp_max[w]);
+    atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax);
   }
 }
 
@@ -190,32 +203,193 @@ __global__ void tensor_scale_kernel(const float* amax, Fp8Format f, bool pow2, f
   if (scale_inv_t) *scale_inv_t = s_inv;
 }
 
-template <typename T, Fp8Scaling kScaling, bool kTranspose, bool kVector>
+// 16 bytes global -> shared without registers (cp.async; zeros where `valid` is false).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() {
+  asm volatile("cp.async.wait_group 1;\n" ::);
+}
+
+// A 128x128 tile in shared memory: rows of 16-byte chunks, a row's chunk j stored at j ^ (row %
+// 8), so that 8 lanes reading one chunk of 8 consecutive rows (the x^T pass) hit distinct banks,
+// as do 8 lanes reading 8 chunks of a row.
+template <typename T>
+struct StagedTile {
+  static constexpr int kPerChunk = 16 / int(sizeof(T));         // values in a chunk
+  static constexpr int kChunks = kFp8Block / kPerChunk;         // chunks in a row
+  static constexpr int kBytes = kFp8Block * kFp8Block * int(sizeof(T));
+  unsigned char* base;
+
+  __device__ __forceinline__ void* chunk(int row, int j) const {
+    return base + row * (kChunks * 16) + ((j ^ (row & 7)) * 16);
+  }
+  __device__ __forceinline__ cuda::Vec<T, kPerChunk> load(int row, int j) const {
+    return *reinterpret_cast<const cuda::Vec<T, kPerChunk>*>(chunk(row, j));
+  }
+};
+
+// x's rows as 16-byte chunks (cols a multiple of 16 / sizeof(T), x 16-byte aligned): a
+// persistent block of 256 threads per SM slot walks the tiles, copying the next tile into shared
+// memory (cp.async, two stages) while it quantizes the current one from there: x's rows (a half
+// or whole warp per row, a lane one chunk) and, with transpose, x^T's (a lane one chunk of a
+// row, a warp 32 rows at a time). The loads in flight are whole tiles, not registers.
+template <typename T, Fp8Scaling kScaling, bool kTranspose>
+__global__ void __launch_bounds__(kThreads)
+    staged_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
+                       bool pow2, const float* __restrict__ tensor_amax,
+                       uint8_t* __restrict__ q, float* __restrict__ scale_inv,
+                       uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t) {
+  using Tile = StagedTile<T>;
+  constexpr int kPer = Tile::kPerChunk, kChunks = Tile::kChunks;
+  constexpr int kLanesPerRow = kChunks, kRowsPerPass = 32 / kLanesPerRow;  // 16, 2 | 32, 1
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ uint32_t warp_max[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
+  const int64_t tiles = col_blocks * ((rows + kFp8Block - 1) / kFp8Block);
+  const float tensor_s = kScaling == Fp8Scaling::kTensorwise
+                             ? fp8::multiplier(*tensor_amax, f, pow2) : 0.f;
+
+  const auto issue = [&](int64_t t, int stage) {
+    const Tile tile{smem_raw + stage * Tile::kBytes};
+    const int64_t r0 = t / col_blocks * kFp8Block, c0 = t % col_blocks * kFp8Block;
+    for (int i = threadIdx.x; i < kFp8Block * kChunks; i += kThreads) {
+      const int row = i / kChunks, j = i % kChunks;
+      const int64_t r = r0 + row, c = c0 + j * kPer;
+      const bool valid = r < rows && c < cols;
+      cp_async16(tile.chunk(row, j), valid ? x + r * cols + c : x, valid);
+    }
+  };
+
+  int stage = 0;
+  if (blockIdx.x < tiles) issue(blockIdx.x, 0);
+  cp_async_commit();
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, stage ^= 1) {
+    if (t + gridDim.x < tiles) issue(t + gridDim.x, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait_one();
+    __syncthreads();
+    const Tile tile{smem_raw + stage * Tile::kBytes};
+    const int64_t stripe = t / col_blocks, cb = t % col_blocks;
+    const int64_t r0 = stripe * kFp8Block, c0 = cb * kFp8Block;
+    // x's rows: warp w takes rows 16 w .. 16 w + 15, kRowsPerPass at a time
+    const int sub = lane / kLanesPerRow, j = lane % kLanesPerRow;
+    float tile_s = tensor_s;
+    if constexpr (kScaling == Fp8Scaling::kBlock128x128) {
+      uint32_t amax = 0;
+      for (int p = 0; p < 16; p += kRowsPerPass) {
+        const cuda::Vec<T, kPer> v = tile.load(warp * 16 + p + sub, j);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) amax = max(amax, abs_bits(to_acc(v.v[k])));
+      }
+      amax = warp_amax(amax);
+      if (lane == 0) warp_max[warp] = amax;
+      __syncthreads();
+      for (int w = 0; w < kWarps; ++w) amax = max(amax, warp_max[w]);
+      tile_s = fp8::multiplier(__uint_as_float(amax), f, pow2);
+      if (threadIdx.x == 0) {  // rows of scales padded to 4 floats (fp8.h)
+        const int64_t stripes = (rows + kFp8Block - 1) / kFp8Block;
+        scale_inv[stripe * ((col_blocks + 3) / 4 * 4) + cb] = 1.f / tile_s;
+        if (kTranspose) scale_inv_t[cb * ((stripes + 3) / 4 * 4) + stripe] = 1.f / tile_s;
+      }
+    }
+    for (int p = 0; p < 16; p += kRowsPerPass) {
+      const int row = warp * 16 + p + sub;
+      const int64_t r = r0 + row, c = c0 + j * kPer;
+      const cuda::Vec<T, kPer> v = tile.load(row, j);
+      float s = tile_s;
+      if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
+        uint32_t amax = 0;
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) amax = max(amax, abs_bits(to_acc(v.v[k])));
+#pragma unroll
+        for (int o = kLanesPerRow / 2; o > 0; o >>= 1)  // the row's lanes
+          amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        s = fp8::multiplier(__uint_as_float(amax), f, pow2);
+        if (j == 0 && r < rows) scale_inv[cb * rows + r] = 1.f / s;
+      }
+      if (r >= rows || c >= cols) continue;
+      uint32_t out[kPer / 4];
+#pragma unroll
+      for (int k = 0; k < kPer / 4; ++k)
+        out[k] = quantize2(to_acc(v.v[4 * k]), to_acc(v.v[4 * k + 1]), s, f) |
+                 quantize2(to_acc(v.v[4 * k + 2]), to_acc(v.v[4 * k + 3]), s, f) << 16;
+      if constexpr (kPer == 8)
+        *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(out[0], out[1]);
+      else
+        *reinterpret_cast<uint32_t*>(q + r * cols + c) = out[0];
+    }
+    if constexpr (kTranspose) {
+      // x^T's rows: warp w takes x's column chunks w, w + 8, ...; a lane rows lane + 32 i
+      for (int jc = warp; jc < kChunks; jc += kWarps) {
+        cuda::Vec<T, kPer> v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = tile.load(lane + 32 * i, jc);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          const int64_t col = c0 + jc * kPer + k;
+          float s = tile_s;
+          if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
+            uint32_t amax = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) amax = max(amax, abs_bits(to_acc(v[i].v[k])));
+            amax = warp_amax(amax);  // rows past x: zeros
+            s = fp8::multiplier(__uint_as_float(amax), f, pow2);
+            if (lane == 0 && col < cols) scale_inv_t[stripe * cols + col] = 1.f / s;
+          }
+          if (col >= cols) continue;
+          const uint32_t out = quantize2(to_acc(v[0].v[k]), to_acc(v[1].v[k]), s, f) |
+                               quantize2(to_acc(v[2].v[k]), to_acc(v[3].v[k]), s, f) << 16;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int64_t r = r0 + lane + 32 * i;
+            if (r < rows) q_t[col * rows + r] = uint8_t(out >> (8 * i));
+          }
+        }
+      }
+    }
+    __syncthreads();  // the stage is free for the tile after next
+  }
+}
+
+template <typename T, Fp8Scaling kScaling, bool kTranspose>
 void launch_tiles(const Fp8Quantize& a, const T* x, int64_t rows, int64_t cols,
                   cudaStream_t stream) {
-  constexpr auto kernel = quantize_tile_kernel<T, kScaling, kTranspose, kVector>;
-  const size_t smem = kTranspose ? size_t(kFp8Block) * tile_stride<T>() * sizeof(T) : 0;
-  if (smem > 48 * 1024 && cuda::resident_blocks<kernel>(kThreads, smem) == 0)
-    fail("fp8_quantize: the device cannot give a block " + std::to_string(smem) +
-         " bytes of shared memory");
-  const dim3 grid(unsigned((cols + kFp8Block - 1) / kFp8Block),
-                  unsigned((rows + kFp8Block - 1) / kFp8Block));
-  kernel<<<grid, kThreads, smem, stream>>>(x, rows, cols, a.format, a.power_of_2_scales, a.amax,
-                                           a.q, a.scale_inv, a.q_t, a.scale_inv_t);
+  const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
+  const int64_t tiles = col_blocks * ((rows + kFp8Block - 1) / kFp8Block);
+  if (cols % StagedTile<T>::kPerChunk == 0 && cuda::aligned(x, 16) && cuda::aligned(a.q, 8)) {
+    constexpr auto kernel = staged_tile_kernel<T, kScaling, kTranspose>;
+    const size_t smem = 2 * size_t(StagedTile<T>::kBytes);
+    const int per_sm = cuda::resident_blocks<kernel>(kThreads, smem);
+    if (per_sm == 0)
+      fail("fp8_quantize: the device cannot give a block " + std::to_string(smem) +
+           " bytes of shared memory");
+    const int64_t blocks = std::min<int64_t>(tiles, int64_t(cuda::sm_count()) * per_sm);
+    kernel<<<unsigned(blocks), kThreads, smem, stream>>>(
+        x, rows, cols, a.format, a.power_of_2_scales, a.amax, a.q, a.scale_inv, a.q_t,
+        a.scale_inv_t);
+  } else {
+    constexpr auto kernel = quantize_tile_kernel<T, kScaling, kTranspose>;
+    const size_t smem = kTranspose ? size_t(kFp8Block) * tile_stride<T>() * sizeof(T) : 0;
+    if (smem > 48 * 1024 && cuda::resident_blocks<kernel>(kThreads, smem) == 0)
+      fail("fp8_quantize: the device cannot give a block " + std::to_string(smem) +
+           " bytes of shared memory");
+    const dim3 grid(unsigned(col_blocks), unsigned((rows + kFp8Block - 1) / kFp8Block));
+    kernel<<<grid, kThreads, smem, stream>>>(x, rows, cols, a.format, a.power_of_2_scales,
+                                             a.amax, a.q, a.scale_inv, a.q_t, a.scale_inv_t);
+  }
   cuda::check_launch("fp8_quantize");
 }
 
 template <typename T, Fp8Scaling kScaling>
 void launch_tiles(const Fp8Quantize& a, const T* x, int64_t rows, int64_t cols,
                   cudaStream_t stream) {
-  const bool vector = cols % 4 == 0 && cuda::aligned(x, 4 * sizeof(T));
-  if (a.q_t) {
-    vector ? launch_tiles<T, kScaling, true, true>(a, x, rows, cols, stream)
-           : launch_tiles<T, kScaling, true, false>(a, x, rows, cols, stream);
-  } else {
-    vector ? launch_tiles<T, kScaling, false, true>(a, x, rows, cols, stream)
-           : launch_tiles<T, kScaling, false, false>(a, x, rows, cols, stream);
-  }
+  a.q_t ? launch_tiles<T, kScaling, true>(a, x, rows, cols, stream)
+        : launch_tiles<T, kScaling, false>(a, x, rows, cols, stream);
 }
 
 }  // namespace

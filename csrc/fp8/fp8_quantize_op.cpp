@@ -20,11 +20,11 @@ Fp8ScaleSizes fp8_scale_sizes(Fp8Scaling scaling, int64_t rows, int64_t cols, bo
   if (transposed) std::swap(rows, cols);
   const auto blocks = [](int64_t n) { return (n + kFp8Block - 1) / kFp8Block; };
   switch (scaling) {
-    case Fp8Scaling::kTensorwise: return {1, 1};
-    case Fp8Scaling::kBlock1x128: return {blocks(cols), rows};
-    case Fp8Scaling::kBlock128x128: return {blocks(rows), blocks(cols)};
+    case Fp8Scaling::kTensorwise: return {1, 1, 1};
+    case Fp8Scaling::kBlock1x128: return {blocks(cols), rows, rows};
+    case Fp8Scaling::kBlock128x128: return {blocks(rows), blocks(cols), (blocks(cols) + 3) / 4 * 4};
   }
-  return {0, 0};
+  return {0, 0, 0};
 }
 
 RowsCols fp8_quantize_check(const Fp8Quantize& a) {

@@ -39,9 +39,10 @@ def fp8_quantize(x: torch.Tensor, scaling: str = "1x128", format: str = "e4m3",
     to powers of two (exact dequantization).
 
     Returns Fp8Quantized: data [..., cols]; scale_inv float32 of shape [] (tensorwise),
-    [rows, ceil(cols/128)] (1x128, column-major: the layout `torch._scaled_mm`'s blockwise mode
-    reads) or [ceil(rows/128), ceil(cols/128)] (128x128); data_t [cols, rows] and scale_inv_t
-    (x^T's, of the same forms) with transpose.
+    [rows, ceil(cols/128)] (1x128, column-major) or [ceil(rows/128), ceil(cols/128)] (128x128,
+    rows stored padded to 4 floats): the layouts cuBLASLt's (and `torch._scaled_mm`'s)
+    blockwise GEMMs read; data_t [cols, rows] and scale_inv_t (x^T's, of the same forms) with
+    transpose.
 
     Per block: s = fmt_max / amax in float32 (1 for an all-zero block), data = x * s rounded once
     to nearest even and saturated at fmt_max, scale_inv = 1 / s; a block holding NaN or Inf gets
@@ -69,7 +70,9 @@ def _(x, scaling="1x128", format="e4m3", transpose=False, power_of_2_scales=Fals
             return x.new_empty((), dtype=torch.float32)
         if scaling == "1x128":
             return x.new_empty((-(-cols // BLOCK), rows), dtype=torch.float32).t()
-        return x.new_empty((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32)
+        blocks = -(-cols // BLOCK)
+        return x.new_zeros((-(-rows // BLOCK), -(-blocks // 4) * 4),
+                           dtype=torch.float32)[:, :blocks]
     if not transpose:
         return data, scales(rows, cols), None, None
     return data, scales(rows, cols), x.new_empty((cols, rows), dtype=FORMATS[format]), \
