@@ -59,16 +59,7 @@ void cpu_gemm(const Matrix& a, const Matrix& b, void* c, DType dtype) {
     at::mm_out(out, av, bv);
 }
 
-GemmContext gemm_context(const at::Tensor& x) {
-  GemmContext gemm{cpu_gemm, {}};
-#ifdef FUSEDLAYERS_WITH_CUDA
-  // csrc's handle, not ATen's (csrc/gemm/cublaslt.h says why), with ATen's workspace.
-  if (x.is_cuda())
-    gemm.lt = {cublaslt_handle(), at::cuda::getCUDABlasLtWorkspace(),
-               at::cuda::getCUDABlasLtWorkspaceSize(), current_stream()};
-#endif
-  return gemm;
-}
+GemmContext gemm_context(const at::Tensor& x) { return {cpu_gemm, lt_context(x)}; }
 
 // y, and pre when `with_pre` (the backward's input; else an undefined tensor, never written).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_in, const at::Tensor& weight_in,

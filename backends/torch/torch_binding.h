@@ -11,6 +11,7 @@
 #include <string>
 
 #include "util/common.h"
+#include "gemm/cublaslt.h"
 #include "gemm/gemm.h"
 
 #ifdef FUSEDLAYERS_WITH_CUDA
@@ -175,6 +176,17 @@ class AutocastToFloat {
 // kernels get no device guard from the dispatcher, so every CUDA branch takes one first.
 inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 #endif
+
+// csrc's cuBLASLt context for a CUDA tensor's GEMMs: csrc's handle, not ATen's (csrc/gemm/
+// cublaslt.h says why), with ATen's workspace and stream; empty for a CPU tensor.
+inline LtContext lt_context(const at::Tensor& x) {
+#ifdef FUSEDLAYERS_WITH_CUDA
+  if (x.is_cuda())
+    return {cublaslt_handle(), at::cuda::getCUDABlasLtWorkspace(),
+            at::cuda::getCUDABlasLtWorkspaceSize(), current_stream()};
+#endif
+  return {};
+}
 
 // Registers, from an op's TORCH_LIBRARY_FRAGMENT, `kernel` as operator `name`'s kernel for the
 // CPU and, in CUDA builds, for CUDA: one kernel for both, csrc picks the device's code.

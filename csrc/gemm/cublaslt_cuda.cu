@@ -67,7 +67,7 @@ uint32_t alignment(const void* p) {
 }
 
 // What the heuristic's answer depends on. Pointers enter only through their alignment.
-using PlanKey = std::array<int64_t, 16>;
+using PlanKey = std::array<int64_t, 17>;
 
 struct PlanKeyHash {
   size_t operator()(const PlanKey& key) const {
@@ -84,6 +84,30 @@ struct Plan {
   bool found;  // false: cuBLASLt has no algorithm for this GEMM and epilogue
 };
 
+// What an FP8 GEMM's plan depends on beyond a GEMM's (-1: not FP8).
+int64_t fp8_key(const LtFp8* f) {
+  if (!f) return -1;
+  return int64_t(f->a_type) | int64_t(f->b_type) << 8 | int64_t(f->a_scale_mode) << 16 |
+         int64_t(f->b_scale_mode) << 24 | int64_t(f->fast_accum) << 32;
+}
+
+// The FP8 attributes of a matmul descriptor; the scale pointers are set again for each call.
+void set_fp8(cublasLtMatmulDesc_t op, const LtFp8& f) {
+  set(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.a_scale_inv);
+  set(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.b_scale_inv);
+  set(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(f.fast_accum));
+  if (f.a_scale_mode == 0 && f.b_scale_mode == 0) return;  // scalars: the default mode
+#if CUBLAS_VERSION >= 120900
+  if (cublasLtGetVersion() < 120900)
+    fail("FP8 block scales need cuBLASLt >= 12.9, found " +
+         std::to_string(cublasLtGetVersion()));
+  set(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, f.a_scale_mode);
+  set(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, f.b_scale_mode);
+#else
+  fail("FP8 block scales need cuBLASLt >= 12.9; this build's headers are older");
+#endif
+}
+
 // The cached plan of `g`. Per host thread, so the descriptor's pointer attributes can be set for
 // each call without a lock (autograd runs backwards on its own threads: each thread pays one
 // heuristic query per shape). Bounded: a workload with endlessly new shapes starts over.
@@ -95,11 +119,12 @@ Plan& plan(const LtContext& lt, DType dtype, const LtGemm& g) {
   const PlanKey key{device, g.trans_a, g.trans_b, g.rows, g.cols, g.inner, g.lda, g.ldb,
                     int64_t(dtype), int64_t(g.epilogue), alignment(g.a), alignment(g.b),
                     alignment(g.d), alignment(g.bias), alignment(g.aux),
-                    int64_t(lt.workspace_size)};
+                    int64_t(lt.workspace_size), fp8_key(g.fp8)};
   if (auto it = plans.find(key); it != plans.end()) return it->second;
   if (plans.size() >= kMaxPlans) plans.clear();
 
   const cudaDataType_t type = cuda_type(dtype);
+  const cudaDataType_t a_type = g.fp8 ? g.fp8->a_type : type, b_type = g.fp8 ? g.fp8->b_type : type;
   cublasLtMatmulDesc_t raw_op;
   check(cublasLtMatmulDescCreate(&raw_op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
         "cublasLtMatmulDescCreate");
@@ -108,12 +133,16 @@ Plan& plan(const LtContext& lt, DType dtype, const LtGemm& g) {
   set(raw_op, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
   set(raw_op, CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
   if (g.bias) set(raw_op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+  if (g.bias && g.fp8) set(raw_op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(type));
+  if (g.fp8) set_fp8(raw_op, *g.fp8);
   if (g.aux) {
     set(raw_op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
     set(raw_op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.rows);
   }
-  p.a = g.trans_a ? layout(type, g.inner, g.rows, g.lda) : layout(type, g.rows, g.inner, g.lda);
-  p.b = g.trans_b ? layout(type, g.cols, g.inner, g.ldb) : layout(type, g.inner, g.cols, g.ldb);
+  p.a = g.trans_a ? layout(a_type, g.inner, g.rows, g.lda)
+                  : layout(a_type, g.rows, g.inner, g.lda);
+  p.b = g.trans_b ? layout(b_type, g.cols, g.inner, g.ldb)
+                  : layout(b_type, g.inner, g.cols, g.ldb);
   p.d = layout(type, g.rows, g.cols, g.rows);
   cublasLtMatmulPreference_t raw_pref;
   check(cublasLtMatmulPreferenceCreate(&raw_pref), "cublasLtMatmulPreferenceCreate");
@@ -141,6 +170,10 @@ bool cublaslt_try_matmul(const LtContext& lt, DType dtype, const LtGemm& g) {
   if (!p.found) return false;
   if (g.bias) set(p.op.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
   if (g.aux) set(p.op.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
+  if (g.fp8) {
+    set(p.op.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.fp8->a_scale_inv);
+    set(p.op.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.fp8->b_scale_inv);
+  }
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   check(cublasLtMatmul(lt.handle, p.op.get(), &alpha, g.a, p.a.get(), g.b, p.b.get(), &beta, g.d,
                        p.d.get(), g.d, p.d.get(), &p.algo, lt.workspace, lt.workspace_size,
