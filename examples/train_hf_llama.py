@@ -24,6 +24,11 @@ process taking its share of every global batch; `num_items_in_batch` is the coun
 the processes (all_reduce), and the loss is scaled by the number of processes, whose gradients
 the engines average: the same training as one process on the whole batch.
 
+With --fp8 blockwise|tensorwise the fused run also makes every linear layer but the LM head an
+FP8 one (`fuse(model, fp8=fusedlayers.Fp8Recipe(...))`: its GEMMs on FP8 operands, quantized
+by 1x128 / 128x128 blocks or per tensor), and the check is the FP8 training target: the mean
+train loss of the last fifth of the steps within FP8_TAIL_RTOL of the unfused run's.
+
 With --master-weights the fused run trains as Hugging Face Trainer's bf16=True recipe would
 after `fusedlayers.torch.AdamW.with_master_weights`: bfloat16 parameters (so bf16 GEMMs), float32
 master weights and moments in fusedlayers' AdamW; the unfused run stays in float32. The curves
@@ -59,6 +64,7 @@ from loss_plot import save_loss_plot
 FIRST_RTOL = 1e-4
 MASTER_FIRST_RTOL = 1e-2
 LOSS_RTOL = 5e-2
+FP8_TAIL_RTOL = 1e-2
 MAX_HELD_OUT = 2.5  # nats per byte
 SEQ = 128
 
@@ -159,6 +165,8 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the logged losses as JSON")
     parser.add_argument("--distributed", choices=("ddp", "fsdp"),
                         help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard)")
+    parser.add_argument("--fp8", choices=("blockwise", "tensorwise"),
+                        help="the fused run's linear layers in FP8 with this scaling")
     parser.add_argument("--master-weights", action="store_true",
                         help="the fused run in bf16 parameters with float32 masters "
                              "(fusedlayers.torch.AdamW.with_master_weights)")
@@ -196,12 +204,13 @@ def main() -> int:
 
     torch.manual_seed(args.seed)
     unfused_lm = model(device)
-    fused_lm = fuse(copy.deepcopy(unfused_lm))
+    recipe = fusedlayers.Fp8Recipe(args.fp8) if args.fp8 else None
+    fused_lm = fuse(copy.deepcopy(unfused_lm), fp8=recipe)
     print(fused_lm.fusedlayers_report, end="\n\n")
     swapped = " ".join(what for _, _, what in fused_lm.fusedlayers_report.swapped)
     failures = [f"fuse() did not swap {op}" for op in ("RMSNorm", "SwiGLUMLP", "rope",
                                                        "linear_cross_entropy")
-                if op not in swapped]
+                + (("Fp8Linear",) if recipe else ()) if op not in swapped]
     fused_opt = fusedlayers.torch.AdamW.with_master_weights(
         fused_lm, lr=args.lr, weight_decay=0.01) if args.master_weights else None
     runs = [Run("unfused", distribute(unfused_lm, args.distributed, device), args.lr),
@@ -234,12 +243,17 @@ def main() -> int:
     if device.type == "cuda":
         peak = [max(run.peak_mb) for run in runs]
         print(f"{'peak MB per step':<26}{peak[0]:>10.1f}{peak[1]:>10.1f}")
-    first_rtol = MASTER_FIRST_RTOL if args.master_weights else FIRST_RTOL
+    first_rtol = MASTER_FIRST_RTOL if args.master_weights or recipe else FIRST_RTOL
     print(f"{'first logged rel. diff':<26}{rels[0]:>19.2e}   (tolerance {first_rtol:.0e})")
     print(f"{'max relative loss diff':<26}{max(rels):>19.2e}   (tolerance {LOSS_RTOL:.0e})")
+    tail = max(1, args.steps // 5)
+    tails = [statistics.mean(run.losses[-tail:]) for run in runs]
+    tail_rel = abs(tails[1] - tails[0]) / tails[0]
+    print(f"{f'last {tail} steps mean':<26}{tails[0]:>10.4f}{tails[1]:>10.4f}   rel. diff "
+          f"{tail_rel:.2e}" + (f" (tolerance {FP8_TAIL_RTOL:.0e})" if recipe else ""))
     if first:
         fused_name = "fused, bf16 + float32 masters" if args.master_weights else \
-            "fused (fusedlayers.fuse)"
+            f"fused, FP8 {args.fp8}" if recipe else "fused (fusedlayers.fuse)"
         save_loss_plot(args.plot, *logged, ("unfused (transformers)", fused_name),
                        f"LlamaForCausalLM on stdlib bytes ({device.type}): as built vs fuse()",
                        "train loss (nats per byte)", LOSS_RTOL,
@@ -250,6 +264,9 @@ def main() -> int:
             json.dump({"processes": world_size(), "unfused": {"loss": logged[0]},
                        "fused": {"loss": logged[1]}}, f)
 
+    if recipe and tail_rel > FP8_TAIL_RTOL:
+        failures.append(f"the last {tail} steps' mean losses differ by {tail_rel:.2e} relative "
+                        f"> {FP8_TAIL_RTOL}")
     if rels[0] > first_rtol:
         failures.append(f"first logged losses differ by {rels[0]:.2e} relative > {first_rtol}")
     if max(rels) > LOSS_RTOL:

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from . import ops
 from ._tf_logs import quiet_tensorflow_logs
 from .errors import NotBuiltError
+from .fp8_recipe import Fp8Recipe
 
 __version__ = "0.1.0"
 # The public ops (the table: fusedlayers.ops), each a function below and in every framework
 # backend (fusedlayers.torch, fusedlayers.tensorflow, fusedlayers.jax) under the same name.
 OPS = ops.NAMES
-__all__ = [*OPS, "NotBuiltError", "loaded", "quiet_tensorflow_logs"]
+__all__ = [*OPS, "Fp8Recipe", "NotBuiltError", "loaded", "quiet_tensorflow_logs"]
 
 
 def _backend(x, op: str, x_name: str = "x", **others):

@@ -8,10 +8,13 @@ from ..errors import NotBuiltError
 from . import _op
 from .adamw import AdamW
 from .fp8 import Fp8Quantized, fp8_quantize
+from .fp8_gemm import fp8_gemm
+from .fp8_linear import Fp8Linear, fp8_linear
 from .fuse import FuseReport, fuse
 from .linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["AdamW", "Fp8Quantized", "FuseReport", "NotBuiltError", "fp8_quantize", "fuse",
+__all__ = ["AdamW", "Fp8Linear", "Fp8Quantized", "FuseReport", "NotBuiltError", "fp8_gemm",
+           "fp8_linear", "fp8_quantize", "fuse",
            "linear_cross_entropy",
            *_ops.export(__name__, globals(), "torch")]
 

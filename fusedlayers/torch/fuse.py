@@ -27,7 +27,11 @@ What is recognised is structure, not class names:
   Face causal LM's head and loss in training (fusedlayers.torch.causal_lm), and the experts
   modules of transformers' mixture-of-experts models (those of `use_experts_implementation`:
   Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, ...) as moe_experts
-  (fusedlayers.torch.moe_experts), per instance.
+  (fusedlayers.torch.moe_experts), per instance;
+- with `fp8=recipe`, every other nn.Linear becomes `Fp8Linear` (its GEMMs in FP8 as the recipe
+  says), but a model's output embeddings (the LM head) and a mixture-of-experts router (a
+  linear `gate`/`router` beside an `experts` module), which stay in their dtype as in
+  Transformer Engine and torchao, and layers whose sizes are not multiples of 16.
 
 Every swap is checked on a probe input against the layers it replaces before it is made; one
 that does not match is not made and is reported. Probing forks the RNG, so the model's random
@@ -47,7 +51,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .. import ops
+from ..fp8_recipe import Fp8Recipe
 from ..fuse_report import FuseReport, class_name
+from .fp8_linear import Fp8Linear, supports as fp8_supports
 from .linear_gelu import FusedConv1DGELU, FusedLinearGELU
 from .relu_scale import FusedReLUScale
 from .causal_lm import fuse_causal_lm, takes_router_logits
@@ -65,7 +71,8 @@ _TOLERANCE_TF32 = 2e-3  # float32 matmuls on TF32 (torch.backends.cuda.matmul.al
 _PROBE_ROWS = 5
 
 
-def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Module:
+def fuse(model: nn.Module, *, verbose: bool = False, fp8: Fp8Recipe | None = None,
+         **enabled: bool) -> nn.Module:
     """Swaps, in place, every nn.LayerNorm for `LayerNorm`, every RMSNorm (nn.RMSNorm, or a
     Llama- or Gemma-style module: one `weight`, an `eps` or `variance_epsilon`, no children) for
     `RMSNorm`, every linear layer whose output feeds only a GELU for `FusedLinearGELU` /
@@ -76,7 +83,8 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
     enabled: one keyword per op of fusedlayers.ops (layer_norm=False leaves the LayerNorms, ...,
     linear_cross_entropy=False a causal LM's head and loss, moe_experts=False (or moe_permute /
     moe_unpermute=False, which it runs on) the experts of MoE models); every op is fused by
-    default.
+    default. fp8: an Fp8Recipe to run the model's other linear layers in FP8 (Fp8Linear; see
+    above for those left), or None (default) to leave them.
     Returns `model`; its `fusedlayers_report` attribute lists what was swapped and what was
     left, and why (printed when verbose). Raises TypeError if model is not an nn.Module or a
     keyword names no op.
@@ -109,6 +117,8 @@ def fuse(model: nn.Module, *, verbose: bool = False, **enabled: bool) -> nn.Modu
             _fuse_causal_lm(model, report)
         if wanted["moe_experts"] and wanted["moe_permute"] and wanted["moe_unpermute"]:
             _fuse_experts(model, report)
+        if fp8 is not None:
+            _fuse_fp8_linears(model, report, fp8)
     model.fusedlayers_report = report
     if verbose:
         print(report)
@@ -181,6 +191,41 @@ def _fuse_experts(model: nn.Module, report: FuseReport) -> None:
                                    f"(this instance's forward; `del module.forward` undoes it)"))
         elif why is not None:
             report.left.append((path, _describe(module), f"experts: {why}"))
+
+
+def _fuse_fp8_linears(model: nn.Module, report: FuseReport, recipe: Fp8Recipe) -> None:
+    """Each nn.Linear (the class itself: a subclass may compute something else) becomes an
+    Fp8Linear sharing its Parameters, but the output embeddings and routers (kept in their
+    dtype) and those whose sizes FP8 GEMMs cannot take."""
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"fusedlayers.torch.fuse: fp8 must be a fusedlayers.Fp8Recipe or None, "
+                        f"got {type(recipe).__name__}")
+    kept = {}
+    for path, module in model.named_modules():
+        head = getattr(module, "get_output_embeddings", None)
+        head = head() if callable(head) else None
+        if isinstance(head, nn.Module):
+            kept[id(head)] = "the output embeddings (LM head) stay in their dtype"
+        if "experts" in module._modules:
+            for name in ("gate", "router"):
+                if isinstance(module._modules.get(name), nn.Linear):
+                    kept[id(module._modules[name])] = "a mixture-of-experts router stays in " \
+                        "its dtype"
+    for path, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        why = kept.get(id(module))
+        if why is None and _has_state_hooks(module):
+            why = "it has hooks or parametrizations an Fp8Linear would drop"
+        if why is None and not fp8_supports(module.in_features, module.out_features):
+            why = (f"in_features {module.in_features} and out_features {module.out_features} "
+                   f"must be multiples of 16 for FP8 GEMMs")
+        if why is not None:
+            report.left.append((path, _describe(module), f"fp8: {why}"))
+            continue
+        _set(model, path, Fp8Linear.from_linear(module, recipe).train(module.training))
+        report.swapped.append((path, _describe(module), f"{class_name(Fp8Linear)} "
+                               f"({recipe.scaling}, {recipe.format}, {'+'.join(recipe.gemms)})"))
 
 
 # ---------------------------------------------------------------- probes
