@@ -167,8 +167,10 @@ def bench(argv: list[str]) -> int:
                              "fusedlayers.torch.AdamW beside torch's; with --framework jax, "
                              "optax's")
     parser.add_argument("--fp8", action="store_true",
-                        help="time FP8 quantization (GB/s) beside the same in stock torch ops, "
-                             "eager and compiled (fusedlayers.bench.fp8)")
+                        help="time FP8 quantization (GB/s; beside the same in stock torch ops, "
+                             "eager and compiled), the FP8 GEMMs (TFLOP/s; beside bf16 and "
+                             "torch._scaled_mm) and two Llama-3-8B MLP blocks (beside bf16 and, "
+                             "with --peers, torchao's float8) (fusedlayers.bench.fp8*)")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
         "for a 12-block MLP stack and the --model models (fusedlayers.bench.memory)")
@@ -340,17 +342,28 @@ def _bench_optimizer(args) -> int:
 
 
 def _bench_fp8(args) -> int:
+    import json
+
     import torch
 
-    from fusedlayers.bench import fp8
+    from fusedlayers.bench import fp8, fp8_gemm, fp8_mlp
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else \
         f"{platform.processor() or 'cpu'} ({torch.get_num_threads()} threads)"
-    print(f"device: {name}\n{fp8.HEADER}", flush=True)
-    rows = fp8.run(device, rounds=args.rounds, compile=not args.no_compile,
-                   log=lambda line: print(line, flush=True))
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    say(f"device: {name}\n\nquantization\n{fp8.HEADER}")
+    quantize = fp8.run(device, rounds=args.rounds, compile=not args.no_compile, log=say)
+    say(f"\nGEMMs\n{fp8_gemm.HEADER}")
+    gemms = fp8_gemm.run(device, rounds=args.rounds, log=say)
+    say(f"\ntwo Llama-3-8B MLP blocks, forward + backward\n{fp8_mlp.HEADER}")
+    mlp = fp8_mlp.run(device, rounds=args.rounds, peers=args.peers, compile=not args.no_compile,
+                      log=say)
     if args.json:
-        fp8.write_json(args.json, rows, name)
+        from dataclasses import asdict
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "quantize": [asdict(r) for r in quantize],
+                       "gemms": fp8_gemm.rows_json(gemms), "mlp": fp8_mlp.rows_json(mlp)}, f,
+                      indent=1)
     return 0
 
 

@@ -128,15 +128,19 @@ def test_empty(scaling, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_cuda_gives_the_cpu_bits(scaling, dtype, seed):
-    """Large enough for many tiles, an unaligned start (the scalar path) and an aligned one."""
+    """Many tiles, partial ones on both edges: rows of whole 16-byte chunks (the staged kernel)
+    and an unaligned view of 4099 columns (the element-wise one), with and without x^T."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1000, 4100, generator=g).to(dtype)
+    x = torch.randn(1000, 4104, generator=g).to(dtype)
     for x_cpu in (x, x.reshape(-1)[1:1 + 999 * 4099].view(999, 4099)):
-        cpu = fp8_quantize(x_cpu, scaling, "e4m3", transpose=True)
-        cuda = fp8_quantize(x_cpu.cuda(), scaling, "e4m3", transpose=True)
-        for a, b in zip(cpu, cuda):
-            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                               (b.view(torch.uint8) if b.element_size() == 1 else b).cpu())
+        for transpose in (False, True):
+            cpu = fp8_quantize(x_cpu, scaling, "e4m3", transpose=transpose)
+            cuda = fp8_quantize(x_cpu.cuda(), scaling, "e4m3", transpose=transpose)
+            for a, b in zip(cpu, cuda):
+                if a is None:
+                    continue
+                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                   (b.view(torch.uint8) if b.element_size() == 1 else b).cpu())
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -184,6 +188,21 @@ def test_bench_rows_on_the_cpu():
     assert {(r.scaling, r.transpose) for r in rows} == set(
         (s, t) for _, s, t in fp8_bench.cases("cpu"))
     assert all(r.gbs > 0 for r in rows) and {r.impl for r in rows} == {"fusedlayers", "eager"}
+
+
+def test_gemm_and_mlp_bench_rows_on_the_cpu():
+    """`bench --fp8`'s GEMM rows (each scaling beside bf16; torch._scaled_mm is CUDA's) and MLP
+    rows (the bf16 and FP8 variants, no compiler): every row ran and has a time."""
+    from fusedlayers.bench import fp8_gemm as gemm_bench
+    from fusedlayers.bench import fp8_mlp as mlp_bench
+    gemms = gemm_bench.run("cpu", rounds=1, reps=1, log=lambda line: None)
+    assert {r.scaling for r in gemms} == {"bf16", *gemm_bench.PAIRS}
+    assert all(r.tflops > 0 and not r.not_run for r in gemms)
+    assert all(r.vs_bf16 is not None for r in gemms if r.scaling != "bf16")
+    mlp = mlp_bench.run("cpu", rounds=1, peers=False, compile=False, log=lambda line: None)
+    assert [r.variant for r in mlp] == ["bf16 eager", "fusedlayers bf16",
+                                        "fusedlayers fp8 blockwise", "fusedlayers fp8 tensorwise"]
+    assert all(r.ms > 0 and not r.not_run for r in mlp)
 
 
 def _per_value(scale_inv, shape, scaling):

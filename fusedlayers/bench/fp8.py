@@ -110,9 +110,3 @@ def format_row(r: Fp8Row, output: str) -> str:
     return (f"{shape:<14} {r.scaling:<11} {output:<15} {r.impl:<12} {r.ms:>9.4f} "
             f"{r.gbs:>8.1f} {r.pct_of_copy:>6.1f}%  {format_speedup(r.vs_eager):<20} "
             f"{format_speedup(r.vs_compile):<20}")
-
-
-def write_json(path: str, rows: list[Fp8Row], device_name: str) -> None:
-    import json
-    with open(path, "w") as f:
-        json.dump({"device": device_name, "rows": [asdict(r) for r in rows]}, f, indent=1)
