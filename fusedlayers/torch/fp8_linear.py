@@ -58,7 +58,7 @@ class _Fp8Linear(torch.autograd.Function):
         saved_x = (qx.data_t, qx.scale_inv_t) if wgrad else (x2, None)
         saved_w = (qw.data_t, qw.scale_inv_t) if dgrad else (weight, None)
         ctx.save_for_backward(*saved_x, *saved_w)
-        ctx.recipe, ctx.wgrad, ctx.dgrad, ctx.has_bias = recipe, wgrad, dgrad, bias is not None
+        ctx.recipe, ctx.wgrad, ctx.dgrad = recipe, wgrad, dgrad
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
