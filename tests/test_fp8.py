@@ -216,3 +216,20 @@ def _per_value(scale_inv, shape, scaling):
             rows, cols)
     return scale_inv.float().reshape(rows // 128, 1, cols // 128, 1).expand(
         rows // 128, 128, cols // 128, 128).reshape(rows, cols)
+
+
+def test_mlp_bench_row_that_cannot_build_says_why(monkeypatch):
+    """A variant whose model cannot be made (a peer that does not install) is a row saying why."""
+    from fusedlayers.bench import fp8_mlp as mlp_bench
+    made = mlp_bench.variants
+
+    def variants(*args):
+        out = made(*args)
+
+        def fails():
+            raise ImportError("No module named 'torchao'")
+        return {"bf16 eager": out["bf16 eager"], "torchao tensorwise compiled": fails}
+    monkeypatch.setattr(mlp_bench, "variants", variants)
+    rows = mlp_bench.run("cpu", rounds=1, peers=False, compile=False, log=lambda line: None)
+    assert rows[1].ms is None and rows[1].not_run == "ImportError: No module named 'torchao'"
+    assert "did not run: ImportError" in mlp_bench.format_row(rows[1])

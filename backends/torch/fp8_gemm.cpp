@@ -74,9 +74,9 @@ at::Tensor kernel(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
     g.a.scaling = parse_fp8_scaling(op, std::string(a_scaling));
     g.b.scaling = parse_fp8_scaling(op, std::string(b_scaling));
   });
-  g.a.rows = g.m = a_in.size(0);
-  g.b.rows = g.n = b_in.size(0);
-  g.a.cols = g.k = a_in.size(1);
+  g.a.rows = a_in.size(0);
+  g.b.rows = b_in.size(0);
+  g.a.cols = a_in.size(1);
   g.b.cols = b_in.size(1);
   std::tie(g.a.scale_rows, g.a.scale_cols) = scale_shape(a_scale_inv);
   std::tie(g.b.scale_rows, g.b.scale_cols) = scale_shape(b_scale_inv);
@@ -86,8 +86,8 @@ at::Tensor kernel(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
   if (bias_in) {
     check_same_device(op, "bias", *bias_in, "a", a_in);
     call_csrc([&] {
-      if (bias_in->dim() != 1 || bias_in->size(0) != g.n)
-        arg_error(op, "bias must have shape [" + std::to_string(g.n) + "], got " +
+      if (bias_in->dim() != 1 || bias_in->size(0) != g.n())
+        arg_error(op, "bias must have shape [" + std::to_string(g.n()) + "], got " +
                           shape_str(bias_in->sizes()));
     });
     bias = bias_in->to(out_dtype).contiguous();
@@ -97,7 +97,7 @@ at::Tensor kernel(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   const at::Tensor sa = scale_buffer("a", a_scale_inv, g.a.scaling, a);
   const at::Tensor sb = scale_buffer("b", b_scale_inv, g.b.scaling, a);
-  at::Tensor d = at::empty({g.m, g.n}, a.options().dtype(out_dtype));
+  at::Tensor d = at::empty({g.m(), g.n()}, a.options().dtype(out_dtype));
   g.a.data = static_cast<const uint8_t*>(a.data_ptr());
   g.b.data = static_cast<const uint8_t*>(b.data_ptr());
   g.a.scale_inv = sa.data_ptr<float>();

@@ -42,7 +42,9 @@ struct Fp8Operand {
 
 struct Fp8Gemm {
   Fp8Operand a, b;
-  int64_t m = 0, n = 0, k = 0;  // a.rows, b.rows, a.cols
+  int64_t m() const { return a.rows; }
+  int64_t n() const { return b.rows; }
+  int64_t k() const { return a.cols; }
   DType out_dtype = DType::kBFloat16;
   void* d = nullptr;           // m x n
   const void* bias = nullptr;  // n values of out_dtype, or null

@@ -48,7 +48,7 @@ FUSEDLAYERS_CPU_CLONES void axpy(float alpha, const float* x, float* y, int64_t 
 }  // namespace
 
 void fp8_gemm_cpu(const Fp8Gemm& g, const ParallelFor& parallel_for) {
-  const int64_t m = g.m, n = g.n, k = g.k;
+  const int64_t m = g.m(), n = g.n(), k = g.k();
   const std::vector<float> a = dequantize(g.a, m, k, false, parallel_for);
   const std::vector<float> bt = dequantize(g.b, n, k, true, parallel_for);
   cpu::dispatch(g.out_dtype, [&](auto tag) {

@@ -41,7 +41,8 @@ void fp8_gemm_cuda(const Fp8Gemm& g, const LtContext& lt) {
          ", this one is sm_" + std::to_string(major * 10 + minor));
   const LtFp8 fp8{fp8_type(g.b.format), fp8_type(g.a.format), scale_mode(g.b.scaling),
                   scale_mode(g.a.scaling), g.b.scale_inv, g.a.scale_inv, g.fast_accum};
-  LtGemm lt_gemm{true, false, g.n, g.m, g.k, g.b.data, g.k, g.a.data, g.k, g.d};
+  const int64_t m = g.m(), n = g.n(), k = g.k();
+  LtGemm lt_gemm{true, false, n, m, k, g.b.data, k, g.a.data, k, g.d};
   if (g.bias) {
     lt_gemm.epilogue = CUBLASLT_EPILOGUE_BIAS;
     lt_gemm.bias = g.bias;

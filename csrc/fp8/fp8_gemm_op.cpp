@@ -37,8 +37,9 @@ void check_scales(const char* name, const Fp8Operand& o) {
 
 void fp8_gemm_check(const Fp8Gemm& g) {
   const char* op = "fp8_gemm";
-  if (g.m < 0 || g.n < 0 || g.k < 0) arg_error(op, "sizes must not be negative");
-  if (g.a.rows != g.m || g.a.cols != g.k || g.b.rows != g.n || g.b.cols != g.k)
+  const int64_t m = g.m(), n = g.n(), k = g.k();
+  if (m < 0 || n < 0 || k < 0) arg_error(op, "sizes must not be negative");
+  if (g.b.cols != k)
     arg_error(op, "a [m, k] and b [n, k] must share k, got a " + shape(g.a.rows, g.a.cols) +
                       " and b " + shape(g.b.rows, g.b.cols));
   const Fp8Scaling sa = g.a.scaling, sb = g.b.scaling;
@@ -55,18 +56,18 @@ void fp8_gemm_check(const Fp8Gemm& g) {
     arg_error(op, "a and b cannot both be E5M2 (no FP8 GEMM takes it)");
   if (blockwise && (g.a.format != Fp8Format::kE4M3 || g.b.format != Fp8Format::kE4M3))
     arg_error(op, "blockwise scalings take E4M3 operands, got E5M2");
-  if (g.k <= 0 || g.k % 16 != 0)
+  if (k <= 0 || k % 16 != 0)
     arg_error(op, "the contracted size k must be a positive multiple of 16, got " +
-                      std::to_string(g.k));
-  if (g.n % 16 != 0)
+                      std::to_string(k));
+  if (n % 16 != 0)
     arg_error(op, "b's rows n (d's columns) must be a multiple of 16, got " +
-                      std::to_string(g.n));
+                      std::to_string(n));
   if (blockwise && g.fast_accum)
     arg_error(op, "fast_accum takes tensorwise scaling alone (block scales are applied where "
                   "the FP8 accumulators are promoted)");
-  if (blockwise && g.m % 16 != 0)
+  if (blockwise && m % 16 != 0)
     arg_error(op, "a's rows m must be a multiple of 16 with block scales, got " +
-                      std::to_string(g.m));
+                      std::to_string(m));
   if (g.bias && g.out_dtype == DType::kFloat32)
     arg_error(op, "a bias needs a bfloat16 or float16 output (FP8 GEMMs add a float32 output's "
                   "bias in no epilogue)");
@@ -77,7 +78,7 @@ void fp8_gemm_check(const Fp8Gemm& g) {
 
 void fp8_gemm(const Fp8Gemm& g, const Exec& exec, const LtContext& lt) {
   fp8_gemm_check(g);
-  if (g.m == 0 || g.n == 0) return;
+  if (g.m() == 0 || g.n() == 0) return;
   FUSEDLAYERS_ON_DEVICE(exec, fp8_gemm_cpu(g, exec.parallel_for), fp8_gemm_cuda(g, lt));
 }
 

@@ -16,7 +16,7 @@ from torch import nn
 from ..fp8_recipe import Fp8Recipe
 from ..torch import Fp8Linear, RMSNorm, swiglu
 from .ops import time_rounds
-from .table import format_speedup, speedup
+from .table import did_not_run, format_speedup, speedup
 
 HEADER = f"{'variant':<28} {'ms':>9} {'MiB':>8}  {'vs bf16 eager':<20}"
 
@@ -90,12 +90,12 @@ def run(device: str = "cuda", rounds: int = 5, peers: bool = True, compile: bool
     hidden, ffn, tokens = (4096, 14336, 8192) if dev.type == "cuda" else (256, 512, 256)
     x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    steps, peaks = {}, {}
+    steps, peaks, not_built = {}, {}, {}
     for name, make in variants(hidden, ffn, dev, peers and dev.type == "cuda", compile).items():
         try:
             m = make()
         except Exception as e:  # noqa: BLE001 (a peer that does not install or convert)
-            steps[name] = lambda e=e: (_ for _ in ()).throw(e)
+            not_built[name] = did_not_run(e)
             continue
 
         def step(m=m):
@@ -106,6 +106,7 @@ def run(device: str = "cuda", rounds: int = 5, peers: bool = True, compile: bool
         steps[name] = step
     fallible = {n for n in steps if n.startswith("torchao") or "compiled" in n}
     times = time_rounds(steps, dev, rounds, reps=None, uncaptured=set(steps), fallible=fallible)
+    times |= not_built
     if dev.type == "cuda":
         for name, step in steps.items():
             if isinstance(times[name], list):
