@@ -185,9 +185,18 @@ def test_bench_rows_on_the_cpu():
             allowed = torch.maximum(ours_deq.abs() * 2 ** -3, step * 2 ** -9) * 1.001
             assert torch.all((ours_deq - theirs_deq).abs() <= allowed)
     rows = fp8_bench.run("cpu", rounds=1, reps=1, compile=False, log=lambda line: None)
-    assert {(r.scaling, r.transpose) for r in rows} == set(
-        (s, t) for _, s, t in fp8_bench.cases("cpu"))
-    assert all(r.gbs > 0 for r in rows) and {r.impl for r in rows} == {"fusedlayers", "eager"}
+    assert {(r.scaling, r.transpose, r.producer) for r in rows} == set(
+        (s, t, p or "") for _, s, t, p in fp8_bench.cases("cpu"))
+    assert all(r.gbs > 0 for r in rows)
+    assert {r.impl for r in rows if not r.producer} == {"fusedlayers", "eager"}
+    assert {r.impl for r in rows if r.producer} == {"fusedlayers", "two ops", "eager"}
+    # the producers' eager rows compute what the fused ops do
+    fns, _ = fp8_bench.producer_fns("swiglu'", torch.randn(128, 128, dtype=torch.bfloat16),
+                                    "1x128", False)
+    ours, theirs = fns["fusedlayers"](), fns["eager"]()
+    deq = [q.float() * _per_value(s, q.shape, "1x128") for q, s in
+           ((ours.data, ours.scale_inv), theirs[:2])]
+    assert (deq[0] - deq[1]).norm() <= 0.1 * deq[0].norm()
 
 
 def test_gemm_and_mlp_bench_rows_on_the_cpu():
@@ -200,8 +209,10 @@ def test_gemm_and_mlp_bench_rows_on_the_cpu():
     assert all(r.tflops > 0 and not r.not_run for r in gemms)
     assert all(r.vs_bf16 is not None for r in gemms if r.scaling != "bf16")
     mlp = mlp_bench.run("cpu", rounds=1, peers=False, compile=False, log=lambda line: None)
-    assert [r.variant for r in mlp] == ["bf16 eager", "fusedlayers bf16",
-                                        "fusedlayers fp8 blockwise", "fusedlayers fp8 tensorwise"]
+    assert [r.variant for r in mlp] == [
+        "bf16 eager", "fusedlayers bf16", "fusedlayers fp8 blockwise",
+        "fusedlayers fp8 blockwise layers", "fusedlayers fp8 tensorwise",
+        "fusedlayers fp8 tensorwise layers"]
     assert all(r.ms > 0 and not r.not_run for r in mlp)
 
 

@@ -3,8 +3,7 @@
 // gate and up; the backward recomputes the activation) and autocast (as ATen's for mul: mixed
 // dtypes are promoted).
 #include "backends/torch/autograd.h"
-#include "backends/torch/torch_binding.h"
-#include "activation/gated.h"
+#include "backends/torch/gated_binding.h"
 
 namespace fusedlayers::torch_binding {
 namespace {
@@ -54,37 +53,6 @@ struct Geglu {
     return handle.call(dy, gate, up, approximate);
   }
 };
-
-// A gate or up argument as csrc reads it: in place where its rows are evenly spaced and its
-// last dim contiguous (a chunk(2, -1) half of one projection), else a contiguous copy. `keep`
-// holds the tensor read.
-GatedInput gated_input(const at::Tensor& t, at::Tensor& keep) {
-  const int64_t d = t.dim();
-  keep = t;
-  if (d == 0 || t.is_contiguous()) {
-    keep = t.contiguous();
-    return {ref(keep), 0};
-  }
-  // The row dims (all but the last) must collapse to one, with stride row_stride.
-  int64_t row_stride = -1, inner = 0;  // inner: the stride the next outer dim must have
-  bool ok = t.size(d - 1) <= 1 || t.stride(d - 1) == 1;
-  for (int64_t i = d - 2; i >= 0 && ok; --i) {
-    if (t.size(i) == 1) continue;
-    if (row_stride < 0) {
-      row_stride = t.stride(i);
-      ok = row_stride >= t.size(d - 1);
-    } else {
-      ok = t.stride(i) == inner;
-    }
-    inner = t.stride(i) * t.size(i);
-  }
-  if (!ok) {
-    keep = t.contiguous();
-    return {ref(keep), 0};
-  }
-  return {{t.data_ptr(), to_dtype(t.scalar_type()), sizes(t.sizes()), true},
-          row_stride < 0 ? 0 : row_stride};
-}
 
 template <typename Op>
 at::Tensor forward_kernel(const at::Tensor& gate, const at::Tensor& up,

@@ -7,37 +7,16 @@
 #include <tuple>
 
 #include "util/cuda_common.cuh"
-#include "activation/cuda_gelu.cuh"
-#include "activation/gated.h"
+#include "activation/cuda_gated.cuh"
 
 namespace fusedlayers {
 namespace {
 
 using cuda::from_acc;
 using cuda::to_acc;
+using cuda::activation;
+using cuda::activation_and_grad;
 constexpr int kThreads = 256;
-
-template <GatedActivation kAct>
-__device__ __forceinline__ float activation(float g) {
-  if constexpr (kAct == GatedActivation::kSilu) {
-    return g * cuda::sigmoid(g);
-  } else {
-    return cuda::gelu(g, kAct == GatedActivation::kGeluTanh);
-  }
-}
-
-// act(g) into a, act'(g) into d.
-template <GatedActivation kAct>
-__device__ __forceinline__ void activation_and_grad(float g, float& a, float& d) {
-  if constexpr (kAct == GatedActivation::kSilu) {
-    const float s = cuda::sigmoid(g);
-    a = g * s;
-    d = s * fmaf(g, 1.0f - s, 1.0f);
-  } else {
-    a = cuda::gelu(g, kAct == GatedActivation::kGeluTanh);
-    d = cuda::gelu_grad(g, kAct == GatedActivation::kGeluTanh);
-  }
-}
 
 // Element offsets of vector i (of N elements) in gate and up: flat when both are contiguous.
 template <int N, bool kFlat>

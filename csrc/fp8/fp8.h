@@ -145,10 +145,10 @@ FUSEDLAYERS_HOST_DEVICE float decode(uint8_t q, Fp8Format f) {
 
 }  // namespace fp8
 
-// The op's contract, for every binding: x is rows x cols, contiguous, float32, float16 or
-// bfloat16; the outputs are sized as fp8_scale_sizes says. Errors: Error of kind kValue.
-struct Fp8Quantize {
-  TensorRef x;
+// Where FP8 values go and how they are scaled: the quantize op's outputs, and those of the ops
+// that write FP8 in the pass that computes the values (fp8/fp8_gated.h). Sized as
+// fp8_scale_sizes says for the values' rows x cols.
+struct Fp8Target {
   Fp8Format format = Fp8Format::kE4M3;
   Fp8Scaling scaling = Fp8Scaling::kBlock1x128;
   bool power_of_2_scales = false;
@@ -157,6 +157,12 @@ struct Fp8Quantize {
   uint8_t* q_t = nullptr;          // cols x rows, written when not null (null when empty)
   float* scale_inv_t = nullptr;    // fp8_scale_sizes(..., true), written when not null
   float* amax = nullptr;           // tensorwise: 1 float of workspace (the tensor's amax after)
+};
+
+// The op's contract, for every binding: x is rows x cols, contiguous, float32, float16 or
+// bfloat16. Errors: Error of kind kValue.
+struct Fp8Quantize : Fp8Target {
+  TensorRef x;
 };
 
 // The scale_inv shape ({dim0, dim1}) of scaling for x of rows x cols, or of its transpose, and

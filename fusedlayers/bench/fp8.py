@@ -7,6 +7,12 @@ on the same tensor.
 Shapes: Llama-3-8B's at 8192 tokens on CUDA (the norm's output 8192 x 4096 and the SwiGLU's
 8192 x 14336 in 1x128 blocks and tensorwise, the down projection's weight 4096 x 14336 in
 128x128 tiles); 1024 x 1024 on the CPU. x in bfloat16, E4M3.
+
+The fused producers' rows (output "swiglu", "swiglu'"): fp8_gated (SwiGLU's output quantized
+with its x^T, from the halves of one gate/up projection) and fp8_gated_backward ([dgate | dup]
+quantized with its transpose), beside the two ops they replace (fusedlayers' swiglu then
+fp8_quantize) and stock torch eager and compiled; their bytes: gate and up (and dy) read once,
+the FP8 values written.
 """
 
 import statistics
@@ -14,7 +20,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..torch import fp8_quantize
+import torch.nn.functional as F
+
+from ..torch import fp8_quantize, swiglu
+from ..torch.fp8_gated import fp8_gated, fp8_gated_backward
 from .ops import copy_bandwidth_gbs, time_rounds
 from .table import format_speedup, speedup
 
@@ -36,16 +45,20 @@ class Fp8Row:
     vs_eager: dict | None = None
     vs_compile: dict | None = None
     not_run: str = ""
+    producer: str = ""
 
 
 def cases(device_type: str) -> list[tuple]:
-    """(shape, scaling, transpose): activations and their x^T (1x128, tensorwise), a weight."""
+    """(shape, scaling, transpose, producer): activations and their x^T (1x128, tensorwise), a
+    weight, and the gated activation's FP8 forms (producer "swiglu" / "swiglu'")."""
     if device_type != "cuda":
-        return [((1024, 1024), s, t) for s in ("1x128", "tensorwise") for t in (False, True)] + \
-            [((1024, 1024), "128x128", True)]
-    acts = [((8192, 4096), s, t) for s in ("1x128", "tensorwise") for t in (False, True)]
-    acts += [((8192, 14336), "1x128", t) for t in (False, True)]
-    return acts + [((4096, 14336), "128x128", True)]
+        return [((1024, 1024), s, t, None) for s in ("1x128", "tensorwise")
+                for t in (False, True)] + [((1024, 1024), "128x128", True, None)] + \
+            [((256, 1024), "1x128", True, p) for p in ("swiglu", "swiglu'")]
+    acts = [((8192, 4096), s, t, None) for s in ("1x128", "tensorwise") for t in (False, True)]
+    acts += [((8192, 14336), "1x128", t, None) for t in (False, True)]
+    return acts + [((4096, 14336), "128x128", True, None)] + \
+        [((8192, 14336), "1x128", True, p) for p in ("swiglu", "swiglu'")]
 
 
 def unfused(x: torch.Tensor, scaling: str, transpose: bool):
@@ -69,32 +82,69 @@ def unfused(x: torch.Tensor, scaling: str, transpose: bool):
     return (*q, *one(x.t().contiguous())) if transpose else q
 
 
+def producer_fns(producer: str, x: torch.Tensor, scaling: str, compile: bool):
+    """The gated activation's FP8 form on gate and up of x's shape (the halves of one
+    projection): fused, as fusedlayers' two ops, in torch eager and compiled; and its bytes."""
+    gate, up = torch.randn(x.shape[0], 2 * x.shape[1], device=x.device,
+                           dtype=x.dtype).chunk(2, dim=-1)
+    if producer == "swiglu":
+        def eager(gate, up):
+            return unfused(F.silu(gate) * up, scaling, True)
+        fns = {"fusedlayers": lambda: fp8_gated(gate, up, "silu", scaling, "e4m3", True),
+               "two ops": lambda: fp8_quantize(swiglu(gate, up), scaling, "e4m3", True)}
+        args, read = (gate, up), 2
+    else:
+        dy = x
+
+        def eager(dy, gate, up):
+            s = torch.sigmoid(gate.float())
+            dgate = dy.float() * up.float() * s * (1 + gate.float() * (1 - s))
+            dup = dy.float() * gate.float() * s
+            return unfused(torch.cat([dgate.to(dy.dtype), dup.to(dy.dtype)], -1), scaling, True)
+        fns = {"fusedlayers": lambda: fp8_gated_backward(dy, gate, up, "silu", scaling, "e4m3",
+                                                         True),
+               "two ops": lambda: fp8_quantize(
+                   torch.cat(torch.ops.fusedlayers.swiglu_backward(dy, gate, up), -1), scaling,
+                   "e4m3", True)}
+        args, read = (dy, gate, up), 3
+    fns["eager"] = lambda: eager(*args)
+    if compile:
+        compiled = torch.compile(eager, dynamic=False)
+        fns["compile"] = lambda: compiled(*args)
+    outputs = 1 if producer == "swiglu" else 2
+    return fns, x.numel() * (read * x.element_size() + 2 * outputs)
+
+
 def run(device: str = "cuda", rounds: int = 5, reps: int = 20, compile: bool = True,
         log=print) -> list[Fp8Row]:
     dev = torch.device(device)
     copy_gbs = copy_bandwidth_gbs(dev, rounds, reps)
     log(f"copy: {copy_gbs:.0f} GB/s")
     rows = []
-    for shape, scaling, transpose in cases(dev.type):
+    for shape, scaling, transpose, producer in cases(dev.type):
         x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-        fns = {"fusedlayers": lambda: fp8_quantize(x, scaling, "e4m3", transpose),
-               "eager": lambda: unfused(x, scaling, transpose)}
-        if compile:
-            compiled = torch.compile(unfused, dynamic=False)
-            fns["compile"] = lambda: compiled(x, scaling, transpose)
+        if producer:
+            fns, work = producer_fns(producer, x, scaling, compile)
+        else:
+            fns = {"fusedlayers": lambda: fp8_quantize(x, scaling, "e4m3", transpose),
+                   "eager": lambda: unfused(x, scaling, transpose)}
+            if compile:
+                compiled = torch.compile(unfused, dynamic=False)
+                fns["compile"] = lambda: compiled(x, scaling, transpose)
+            work = x.numel() * (x.element_size() + (2 if transpose else 1))
         times = time_rounds(fns, dev, rounds, reps, fallible={"compile"})
-        work = x.numel() * (x.element_size() + (2 if transpose else 1))
-        output = "x, x^T" if transpose else "x"
+        output = producer or ("x, x^T" if transpose else "x")
         for impl, t in times.items():
             if isinstance(t, str):
-                row = Fp8Row(shape, scaling, transpose, impl, None, None, None, None, not_run=t)
+                row = Fp8Row(shape, scaling, transpose, impl, None, None, None, None, not_run=t,
+                             producer=producer or "")
             else:
                 ms = statistics.median(t)
                 gbs = work / ms / 1e6
                 ratio = {k: speedup(times[k], t) for k in ("eager", "compile")
                          if impl == "fusedlayers" and isinstance(times.get(k), list)}
                 row = Fp8Row(shape, scaling, transpose, impl, ms, gbs, 100 * gbs / copy_gbs, t,
-                             ratio.get("eager"), ratio.get("compile"))
+                             ratio.get("eager"), ratio.get("compile"), producer=producer or "")
             rows.append(row)
             log(format_row(row, output))
         del fns, x

@@ -1,7 +1,9 @@
 """`python -m fusedlayers bench --fp8`, the MLP rows: two Llama-3-8B MLP blocks (x + down(
 swiglu(gate(n), up(n))) with n = rmsnorm(x); hidden 4096, ffn 14336) forward and backward at
-8192 tokens, bf16 parameters: stock torch eager and compiled, fusedlayers' RMSNorm and SwiGLU
-with bf16 linears, with Fp8Linear (blockwise and tensorwise recipes), and torchao's float8
+8192 tokens, bf16 parameters: stock torch eager and compiled; fuse(model) (bf16) and
+fuse(model, fp8=recipe) (the FP8 gated MLP, blockwise and tensorwise recipes); the same with
+each projection an Fp8Linear of its own ("layers": every quantization a pass of its own beside
+fusedlayers' RMSNorm and swiglu); torchao's float8
 training (tensorwise and rowwise) under torch.compile where torchao is installed, in one run.
 Each row: ms a step and its peak memory above the inputs. CPU: hidden 256, ffn 512, 256 tokens.
 """
@@ -14,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fp8_recipe import Fp8Recipe
-from ..torch import Fp8Linear, RMSNorm, swiglu
+from ..torch import Fp8Linear, RMSNorm, fuse, swiglu
 from .ops import time_rounds
 from .table import did_not_run, format_speedup, speedup
 
-HEADER = f"{'variant':<28} {'ms':>9} {'MiB':>8}  {'vs bf16 eager':<20}"
+HEADER = f"{'variant':<34} {'ms':>9} {'MiB':>8}  {'vs bf16 eager':<20}"
 
 
 @dataclass
@@ -31,34 +33,47 @@ class MlpRow:
     not_run: str = ""
 
 
+class Mlp(nn.Module):
+    """Llama's MLP in stock torch ops."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class Block(nn.Module):
-    """Llama's MLP block with its pre-norm and residual, in stock torch ops."""
+    """Llama's MLP block with its pre-norm and residual."""
 
     def __init__(self, hidden, ffn):
         super().__init__()
         self.norm = nn.RMSNorm(hidden, eps=1e-5)
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-        self.fused = False
+        self.mlp = Mlp(hidden, ffn)
 
     def forward(self, x):
-        n = self.norm(x)
-        h = swiglu(self.gate(n), self.up(n)) if self.fused else F.silu(self.gate(n)) * self.up(n)
-        return x + self.down(h)
+        return x + self.mlp(self.norm(x))
 
 
-def model(hidden, ffn, device, fused: bool, recipe: Fp8Recipe | None = None) -> nn.Module:
+def model(hidden, ffn, device, fused: bool, recipe: Fp8Recipe | None = None,
+          layers: bool = False) -> nn.Module:
+    """Two blocks; fused: as fuse(model, fp8=recipe) makes them (the FP8 gated MLP where a
+    recipe is given), or with `layers` each projection an Fp8Linear of its own beside
+    fusedlayers' RMSNorm and swiglu."""
     blocks = nn.Sequential(*(Block(hidden, ffn) for _ in range(2))).to(device, torch.bfloat16)
-    for b in blocks:
-        b.fused = fused
-        if fused:
+    if fused and not layers:
+        fuse(blocks, fp8=recipe)
+    elif fused:
+        for b in blocks:
             norm = RMSNorm(hidden, eps=1e-5).to(device, torch.bfloat16)
             norm.weight = b.norm.weight
             b.norm = norm
-        if recipe is not None:
             for name in ("gate", "up", "down"):
-                setattr(b, name, Fp8Linear.from_linear(getattr(b, name), recipe))
+                setattr(b.mlp, name, Fp8Linear.from_linear(getattr(b.mlp, name), recipe))
+            b.mlp.forward = lambda x, m=b.mlp: m.down(swiglu(m.gate(x), m.up(x)))
     return blocks
 
 
@@ -73,10 +88,12 @@ def variants(hidden, ffn, device, peers: bool, compile: bool) -> dict:
     out = {"bf16 eager": lambda: model(hidden, ffn, device, False)}
     if compile:
         out["bf16 compiled"] = lambda: torch.compile(model(hidden, ffn, device, False))
-    out |= {"fusedlayers bf16": lambda: model(hidden, ffn, device, True),
-           "fusedlayers fp8 blockwise": lambda: model(hidden, ffn, device, True, Fp8Recipe()),
-           "fusedlayers fp8 tensorwise":
-               lambda: model(hidden, ffn, device, True, Fp8Recipe("tensorwise"))}
+    out["fusedlayers bf16"] = lambda: model(hidden, ffn, device, True)
+    for name in ("blockwise", "tensorwise"):
+        recipe = Fp8Recipe(name)
+        out[f"fusedlayers fp8 {name}"] = lambda r=recipe: model(hidden, ffn, device, True, r)
+        out[f"fusedlayers fp8 {name} layers"] = \
+            lambda r=recipe: model(hidden, ffn, device, True, r, layers=True)
     if peers and compile:
         for recipe in ("tensorwise", "rowwise"):
             out[f"torchao {recipe} compiled"] = \
@@ -130,9 +147,9 @@ def run(device: str = "cuda", rounds: int = 5, peers: bool = True, compile: bool
 
 def format_row(r: MlpRow) -> str:
     if r.ms is None:
-        return f"{r.variant:<28} did not run: {r.not_run}"
+        return f"{r.variant:<34} did not run: {r.not_run}"
     mib = f"{r.peak_mib:>8.0f}" if r.peak_mib is not None else f"{'-':>8}"
-    return f"{r.variant:<28} {r.ms:>9.3f} {mib}  {format_speedup(r.vs_eager):<20}"
+    return f"{r.variant:<34} {r.ms:>9.3f} {mib}  {format_speedup(r.vs_eager):<20}"
 
 
 def rows_json(rows: list[MlpRow]) -> list[dict]:

@@ -53,30 +53,40 @@ def fp8_quantize(x: torch.Tensor, scaling: str = "1x128", format: str = "e4m3",
     return Fp8Quantized(*fp8_quantize_op(x, scaling, format, transpose, power_of_2_scales))
 
 
-@_op.register_fake("fp8_quantize")
-def _(x, scaling="1x128", format="e4m3", transpose=False, power_of_2_scales=False):
+def check_names(op: str, scaling: str, format: str) -> None:
+    """The scaling and format names every FP8 op takes, checked as csrc does (for fake kernels)."""
     if format not in FORMATS:
-        raise ValueError(f"fusedlayers.fp8_quantize: format must be 'e4m3' or 'e5m2', got "
-                         f"{format!r}")
+        raise ValueError(f"fusedlayers.{op}: format must be 'e4m3' or 'e5m2', got {format!r}")
     if scaling not in SCALINGS:
-        raise ValueError("fusedlayers.fp8_quantize: scaling must be 'tensorwise', '1x128' or "
+        raise ValueError(f"fusedlayers.{op}: scaling must be 'tensorwise', '1x128' or "
                          f"'128x128', got {scaling!r}")
-    cols = x.shape[-1]
-    rows = x.numel() // cols if cols else 0
-    data = x.new_empty(x.shape, dtype=FORMATS[format])
+
+
+def fake_outputs(like: torch.Tensor, shape, scaling: str, format: str, transpose: bool):
+    """The (data, scale_inv, data_t, scale_inv_t) a quantization of values of `shape` returns,
+    as empty tensors on like's device (the fake kernels' outputs)."""
+    cols = shape[-1]
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if cols else 0
+    data = like.new_empty(shape, dtype=FORMATS[format])
 
     def scales(rows, cols):
         if scaling == "tensorwise":
-            return x.new_empty((), dtype=torch.float32)
+            return like.new_empty((), dtype=torch.float32)
         if scaling == "1x128":
-            return x.new_empty((-(-cols // BLOCK), rows), dtype=torch.float32).t()
+            return like.new_empty((-(-cols // BLOCK), rows), dtype=torch.float32).t()
         blocks = -(-cols // BLOCK)
-        return x.new_zeros((-(-rows // BLOCK), -(-blocks // 4) * 4),
-                           dtype=torch.float32)[:, :blocks]
+        return like.new_zeros((-(-rows // BLOCK), -(-blocks // 4) * 4),
+                              dtype=torch.float32)[:, :blocks]
     if not transpose:
         return data, scales(rows, cols), None, None
-    return data, scales(rows, cols), x.new_empty((cols, rows), dtype=FORMATS[format]), \
+    return data, scales(rows, cols), like.new_empty((cols, rows), dtype=FORMATS[format]), \
         scales(cols, rows)
+
+
+@_op.register_fake("fp8_quantize")
+def _(x, scaling="1x128", format="e4m3", transpose=False, power_of_2_scales=False):
+    check_names("fp8_quantize", scaling, format)
+    return fake_outputs(x, tuple(x.shape), scaling, format, transpose)
 
 
 def round_to_fp8(v: np.ndarray, format: str) -> np.ndarray:

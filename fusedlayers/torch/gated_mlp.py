@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..bench.case import Case
+from . import fp8_mlp
 
 
 class _Leaves(torch.fx.Tracer):
@@ -42,10 +43,22 @@ class GatedMLP(nn.Module):
     def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def fp8_activation(self) -> str:
+        """The activation as fp8_gated names it."""
+        if self.activation == "gelu":
+            return "gelu_tanh" if self.approximate == "tanh" else "gelu"
+        return self.activation
+
     def _role(self, role: str) -> nn.Module:
         return getattr(self, self.names[role])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fp8_mlp.applies(self, x):  # fuse(model, fp8=...) made the projections Fp8Linear
+            gate_up = self._role("gate_up").weight if "gate_up" in self.names else \
+                (self._role("gate").weight, self._role("up").weight)
+            return fp8_mlp.fp8_gated_mlp(x, gate_up, self._role("down").weight,
+                                         self.fp8_activation, self._role("down").recipe)
         if "gate_up" in self.names:
             gate, up = self._role("gate_up")(x).chunk(2, dim=-1)
         else:
