@@ -1,5 +1,5 @@
 """fp8_gated / fp8_gated_backward: bit for bit the unfused composition (the gated op, then
-fp8_quantize) on every device, CUDA equal to the CPU; fp8_gated_mlp: its output and gradients
+fp8_quantize) on every device; fp8_gated_mlp: its output and gradients
 against the float64 MLP within FP8's rounding and against the unfused composition of Fp8Linear
 layers, split or stacked gate/up weights, autocast with float32 masters; fuse(model, fp8=)
 runs a Llama MLP through it."""
@@ -70,21 +70,22 @@ def test_equals_gated_then_quantize(activation, scaling, dtype, stacked, device,
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scaling", ["1x128", "tensorwise"])
-def test_cuda_gives_the_cpu_bits(scaling, seed):
-    """Many tiles; the halves of one projection (16-byte loads) and an unaligned view (element
-    loads); power-of-two scales."""
+def test_cuda_many_tiles_and_unaligned_views(scaling, seed):
+    """CUDA against CUDA's own composition (the gated ops' CUDA math is not the CPU's to the
+    bit; the quantization is: test_fp8.py): many tiles, the halves of one projection (16-byte
+    loads) and an unaligned view (element loads), power-of-two scales."""
     g = torch.Generator().manual_seed(seed)
-    gu = (torch.randn(300, 2 * 1024 + 8, generator=g) * 4).bfloat16()
-    dy = torch.randn(300, 1024, generator=g).bfloat16()
+    gu = (torch.randn(300, 2 * 1024 + 8, generator=g) * 4).bfloat16().cuda()
+    dy = torch.randn(300, 1024, generator=g).bfloat16().cuda()
     for gate, up in (gu[:, :2048].chunk(2, -1), (gu[:, 1:1025], gu[:, 1025:2049])):
-        for activation in ACTIVATIONS:
-            cpu = fp8_gated(gate, up, activation, scaling, "e4m3", True, True)
-            cuda = fp8_gated(gate.cuda(), up.cuda(), activation, scaling, "e4m3", True, True)
-            assert_same(cuda, cpu, f"forward {activation}")
-            cpu = fp8_gated_backward(dy, gate, up, activation, scaling, "e4m3", True)
-            cuda = fp8_gated_backward(dy.cuda(), gate.cuda(), up.cuda(), activation, scaling,
-                                      "e4m3", True)
-            assert_same(cuda, cpu, f"backward {activation}")
+        for activation, (forward, backward, extra) in ACTIVATIONS.items():
+            want = fp8_quantize(forward(gate, up, *extra), scaling, "e4m3", True, True)
+            assert_same(fp8_gated(gate, up, activation, scaling, "e4m3", True, True), want,
+                        f"forward {activation}")
+            want = fp8_quantize(torch.cat(backward(dy, gate, up, *extra), -1), scaling, "e4m3",
+                                True)
+            assert_same(fp8_gated_backward(dy, gate, up, activation, scaling, "e4m3", True), want,
+                        f"backward {activation}")
 
 
 def test_opcheck():
@@ -150,9 +151,10 @@ def close(got, want, rel, what):
 def test_mlp_against_float64_and_the_unfused_layers(recipe, stacked, device, seed):
     """y, dx and every dW: within FP8's rounding of the float64 MLP (E4M3's relative step
     2^-4 through two layers; E5M2 gradients 2^-3), no further from it than the same MLP made of
-    Fp8Linear layers (and the plain activation) plus 15%, and within 3% of that MLP wherever their
-    quantized operands agree (all but tensorwise scaling of separate gate and up weights, which
-    the fused op scales as one tensor): bf16's rounding of the activation, the GEMMs' sums."""
+    Fp8Linear layers (and the plain activation) plus 15%, and within 3% (E5M2 gradients: 6%) of
+    that MLP wherever their quantized operands agree (all but tensorwise scaling of separate gate
+    and up weights, which the fused op scales as one tensor): bf16's rounding of the activation,
+    the GEMMs' sums."""
     g = torch.Generator().manual_seed(seed)
     x, ws, w_down, dy = mlp(g, device, torch.bfloat16, stacked=stacked)
     gate_up = ws[0] if stacked else tuple(ws)
@@ -168,8 +170,9 @@ def test_mlp_against_float64_and_the_unfused_layers(recipe, stacked, device, see
     for name, got, unf, want in zip(names, fused, unfused, exact):
         close(got, want, 0.15 if recipe.format == "hybrid" else 0.1, f"{name} vs float64")
         close(got, want, 1.15 * rel_err(unf, want), f"{name} vs float64, beside the layers'")
-        if same_operands:
-            close(got, unf, 0.03, f"{name} vs Fp8Linear layers")
+        if same_operands:  # E5M2's step is twice E4M3's: a bf16 difference flips more roundings
+            close(got, unf, 0.06 if recipe.format == "hybrid" else 0.03,
+                  f"{name} vs Fp8Linear layers")
 
 
 def test_mlp_autocast_with_float32_masters(seed):
