@@ -1,11 +1,11 @@
 // CUDA FP8 gated activations (fp8_gated.h): one block of 256 threads per 128x128 tile of the
-// values. The block stages its tile of gate and up (and dy) in shared memory (cp.async where the
-// strides and pointers allow 16-byte chunks, so that the loads in flight are whole tiles, not
-// registers), computes the values in place with the gated kernels' math (cuda_gated.cuh),
-// rounded to T, and quantizes them from there with fp8_tile.cuh's quantize_tile, x's and x^T's
-// rows as fp8_quantize's staged kernel does; the other blocks on the SM overlap its loads. The
-// backward computes a tile of dgate and the matching tile of dup from one read of dy, gate and
-// up. Tensorwise scaling first reduces the values' amax in a pass of its own.
+// values, computed with the gated kernels' math (cuda_gated.cuh), rounded to T into a
+// shared-memory tile and quantized from there with fp8_tile.cuh's quantize_tile, x's and x^T's
+// rows as fp8_quantize's staged kernel does. The forward stages gate's and up's tiles in shared
+// memory (cp.async where the strides and pointers allow 16-byte chunks) and computes in place,
+// three blocks an SM overlapping each other's loads; the backward loads dy, gate and up into
+// registers (half of a thread's loads in flight at once, two blocks an SM) and computes a tile of dgate and the
+// matching tile of dup. Tensorwise scaling first reduces the values' amax in a pass of its own.
 #include "activation/cuda_gated.cuh"
 #include "fp8/fp8_gated.h"
 #include "fp8/fp8_tile.cuh"
@@ -54,6 +54,15 @@ __device__ __forceinline__ void stage(const StagedTile<T>& tile, const T* __rest
   }
 }
 
+// The tile's chunks a thread computes: kIters of them.
+template <typename T>
+struct TileWork {  // T: a half type
+  static constexpr int kPer = StagedTile<T>::kPerChunk, kChunks = StagedTile<T>::kChunks;
+  static constexpr int kIters = kFp8Block * kChunks / kThreads;  // 8
+  __device__ __forceinline__ static int row(int it) { return (threadIdx.x + it * kThreads) / kChunks; }
+  __device__ __forceinline__ static int chunk(int it) { return (threadIdx.x + it * kThreads) % kChunks; }
+};
+
 // The values of act(gate) * up: the tile (stripe, cb) staged (gate's and up's tiles in shared
 // memory), computed in place of gate's and quantized from there.
 template <typename T, GatedActivation kAct, Fp8Scaling kScaling, bool kTranspose>
@@ -91,52 +100,56 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks of 64 KB fill the SM
                                          scale_inv, q_t, scale_inv_t, warp_max);
 }
 
-// The values of [dgate | dup] (rows x 2 cols): dy's, gate's and up's tiles (stripe, cb) staged,
-// dgate computed in place of gate's and dup of up's, quantized as the tiles (stripe, cb) and
-// (stripe, cb + cols / 128) of the concatenation.
+// The values of [dgate | dup] (rows x 2 cols): the tile (stripe, cb) of dgate and (stripe,
+// cb + cols / 128) of dup.
 template <typename T, GatedActivation kAct, Fp8Scaling kScaling, bool kTranspose>
-__global__ void __launch_bounds__(kThreads, 2)  // 2 blocks of 96 KB
+__global__ void __launch_bounds__(kThreads, 2)  // 2 blocks of 64 KB
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ gate, int64_t gs,
                     const T* __restrict__ up, int64_t us, int64_t rows, int64_t cols,
                     bool vec, Fp8Format f, bool pow2, const float* __restrict__ tensor_amax,
                     uint8_t* __restrict__ q, float* __restrict__ scale_inv,
                     uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t) {
-  constexpr int kPer = StagedTile<T>::kPerChunk, kChunks = StagedTile<T>::kChunks;
-  constexpr int kBytes = StagedTile<T>::kBytes;
+  using W = TileWork<T>;
+  constexpr int kBatch = W::kIters / 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint32_t warp_max[kWarps];
-  const StagedTile<T> g_tile{smem_raw}, u_tile{smem_raw + kBytes}, d_tile{smem_raw + 2 * kBytes};
+  const StagedTile<T> dgate_tile{smem_raw}, dup_tile{smem_raw + StagedTile<T>::kBytes};
   const int64_t col_blocks = cols / kFp8Block;
   const int64_t stripe = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
   const int64_t r0 = stripe * kFp8Block, c0 = cb * kFp8Block;
-  stage(d_tile, dy, cols, r0, c0, rows, vec);
-  stage(g_tile, gate, gs, r0, c0, rows, vec);
-  stage(u_tile, up, us, r0, c0, rows, vec);
-  cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();
-  for (int i = threadIdx.x; i < kFp8Block * kChunks; i += kThreads) {
-    const int row = i / kChunks, j = i % kChunks;
-    const Chunk<T> d = d_tile.load(row, j), g = g_tile.load(row, j), u = u_tile.load(row, j);
-    Chunk<T> dg, du;
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      float a, da;
-      cuda::activation_and_grad<kAct>(to_acc(g.v[k]), a, da);
-      const float dk = to_acc(d.v[k]);
-      du.v[k] = from_acc<T>(dk * a);
-      dg.v[k] = from_acc<T>(dk * to_acc(u.v[k]) * da);
+  for (int b = 0; b < W::kIters; b += kBatch) {  // a batch's loads in flight at once
+    Chunk<T> d[kBatch], g[kBatch], u[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t r = r0 + W::row(b + i), c = c0 + W::chunk(b + i) * W::kPer;
+      const bool valid = r < rows;
+      d[i] = load_chunk<T>(valid ? dy + r * cols + c : dy, valid, vec);
+      g[i] = load_chunk<T>(valid ? gate + r * gs + c : gate, valid, vec);
+      u[i] = load_chunk<T>(valid ? up + r * us + c : up, valid, vec);
     }
-    *reinterpret_cast<Chunk<T>*>(g_tile.chunk(row, j)) = dg;
-    *reinterpret_cast<Chunk<T>*>(u_tile.chunk(row, j)) = du;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      Chunk<T> dg, du;
+#pragma unroll
+      for (int k = 0; k < W::kPer; ++k) {
+        float a, da;
+        cuda::activation_and_grad<kAct>(to_acc(g[i].v[k]), a, da);
+        const float dk = to_acc(d[i].v[k]);
+        du.v[k] = from_acc<T>(dk * a);
+        dg.v[k] = from_acc<T>(dk * to_acc(u[i].v[k]) * da);
+      }
+      *reinterpret_cast<Chunk<T>*>(dgate_tile.chunk(W::row(b + i), W::chunk(b + i))) = dg;
+      *reinterpret_cast<Chunk<T>*>(dup_tile.chunk(W::row(b + i), W::chunk(b + i))) = du;
+    }
   }
   __syncthreads();
   const float tensor_s =
       kScaling == Fp8Scaling::kTensorwise ? fp8::multiplier(*tensor_amax, f, pow2) : 0.f;
-  quantize_tile<T, kScaling, kTranspose>(g_tile, stripe, cb, rows, 2 * cols, f, pow2, tensor_s,
-                                         q, scale_inv, q_t, scale_inv_t, warp_max);
+  quantize_tile<T, kScaling, kTranspose>(dgate_tile, stripe, cb, rows, 2 * cols, f, pow2,
+                                         tensor_s, q, scale_inv, q_t, scale_inv_t, warp_max);
   __syncthreads();  // warp_max is the next call's
-  quantize_tile<T, kScaling, kTranspose>(u_tile, stripe, cb + col_blocks, rows, 2 * cols, f,
+  quantize_tile<T, kScaling, kTranspose>(dup_tile, stripe, cb + col_blocks, rows, 2 * cols, f,
                                          pow2, tensor_s, q, scale_inv, q_t, scale_inv_t,
                                          warp_max);
 }
@@ -283,7 +296,7 @@ void fp8_gated_backward_cuda(const Fp8GatedBackward& a, int64_t gs, int64_t us, 
       tensor_amax<T, kAct>(op, o, dy, gate, gs, up, us, rc, vec, stream);
     if (rc.rows * rc.cols == 0) return;
     constexpr auto kernel = backward_kernel<T, kAct, kScaling, decltype(tr)::value>;
-    const size_t smem = 3 * size_t(StagedTile<T>::kBytes);
+    const size_t smem = 2 * size_t(StagedTile<T>::kBytes);
     kernel<<<tile_blocks<kernel>(op, rc, smem), kThreads, smem, stream>>>(
         dy, gate, gs, up, us, rc.rows, rc.cols, vec, o.format, o.power_of_2_scales, o.amax, o.q,
         o.scale_inv, o.q_t, o.scale_inv_t);

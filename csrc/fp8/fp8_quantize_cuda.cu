@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
 // or whole warp per row, a lane one chunk) and, with transpose, x^T's (a lane one chunk of a
 // row, a warp 32 rows at a time). The loads in flight are whole tiles, not registers.
 template <typename T, Fp8Scaling kScaling, bool kTranspose>
-__global__ void __launch_bounds__(kThreads, 3)  // 3 blocks of 2 x 32 KB (bf16) per SM
+__global__ void __launch_bounds__(kThreads)
     staged_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
                        bool pow2, const float* __restrict__ tensor_amax,
                        uint8_t* __restrict__ q, float* __restrict__ scale_inv,

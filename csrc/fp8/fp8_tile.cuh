@@ -137,104 +137,57 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
       if (kTranspose) scale_inv_t[cb * ((stripes + 3) / 4 * 4) + stripe] = 1.f / tile_s;
     }
   }
-  // A lane's rows in pairs, each in phases (loads, amaxes, shuffles, multipliers, then the
-  // values), so that their latencies overlap instead of queuing one row at a time.
-  constexpr int kPasses = 16 / kRowsPerPass, kGroup = 2;
-  const int64_t c = c0 + j * kPer;
-#pragma unroll
-  for (int g = 0; g < kPasses; g += kGroup) {
-    cuda::Vec<T, kPer> v[kGroup];
-    float s[kGroup];
-    int64_t r[kGroup];
-#pragma unroll
-    for (int p = 0; p < kGroup; ++p) {
-      const int row = warp * 16 + (g + p) * kRowsPerPass + sub;
-      v[p] = tile.load(row, j);
-      r[p] = r0 + row;
-      s[p] = tile_s;
-    }
+  for (int p = 0; p < 16; p += kRowsPerPass) {
+    const int row = warp * 16 + p + sub;
+    const int64_t r = r0 + row, c = c0 + j * kPer;
+    const cuda::Vec<T, kPer> v = tile.load(row, j);
+    float s = tile_s;
     if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
-      uint32_t amax[kGroup];
+      uint32_t amax = 0;
 #pragma unroll
-      for (int p = 0; p < kGroup; ++p) {
-        amax[p] = 0;
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) amax[p] = max(amax[p], abs_bits(to_acc(v[p].v[k])));
-      }
+      for (int k = 0; k < kPer; ++k) amax = max(amax, abs_bits(to_acc(v.v[k])));
 #pragma unroll
       for (int o = kLanesPerRow / 2; o > 0; o >>= 1)  // the row's lanes
-#pragma unroll
-        for (int p = 0; p < kGroup; ++p)
-          amax[p] = max(amax[p], __shfl_xor_sync(0xffffffffu, amax[p], o));
-#pragma unroll
-      for (int p = 0; p < kGroup; ++p) s[p] = fp8::multiplier(__uint_as_float(amax[p]), f, pow2);
-      if (j == 0) {
-#pragma unroll
-        for (int p = 0; p < kGroup; ++p)
-          if (r[p] < rows) scale_inv[cb * rows + r[p]] = 1.f / s[p];
-      }
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      s = fp8::multiplier(__uint_as_float(amax), f, pow2);
+      if (j == 0 && r < rows) scale_inv[cb * rows + r] = 1.f / s;
     }
+    if (r >= rows || c >= cols) continue;
+    uint32_t out[kPer / 4];
 #pragma unroll
-    for (int p = 0; p < kGroup; ++p) {
-      uint32_t out[kPer / 4];
-#pragma unroll
-      for (int k = 0; k < kPer / 4; ++k)
-        out[k] = quantize2(to_acc(v[p].v[4 * k]), to_acc(v[p].v[4 * k + 1]), s[p], f) |
-                 quantize2(to_acc(v[p].v[4 * k + 2]), to_acc(v[p].v[4 * k + 3]), s[p], f) << 16;
-      if (r[p] >= rows || c >= cols) continue;
-      if constexpr (kPer == 8)
-        *reinterpret_cast<uint2*>(q + r[p] * cols + c) = make_uint2(out[0], out[1]);
-      else
-        *reinterpret_cast<uint32_t*>(q + r[p] * cols + c) = out[0];
-    }
+    for (int k = 0; k < kPer / 4; ++k)
+      out[k] = quantize2(to_acc(v.v[4 * k]), to_acc(v.v[4 * k + 1]), s, f) |
+               quantize2(to_acc(v.v[4 * k + 2]), to_acc(v.v[4 * k + 3]), s, f) << 16;
+    if constexpr (kPer == 8)
+      *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(out[0], out[1]);
+    else
+      *reinterpret_cast<uint32_t*>(q + r * cols + c) = out[0];
   }
   if constexpr (kTranspose) {
-    // x^T's rows: warp w takes x's column chunks w, w + 8, ...; a lane rows lane + 32 i; the
-    // chunk's columns in phases, as above
+    // x^T's rows: warp w takes x's column chunks w, w + 8, ...; a lane rows lane + 32 i
     for (int jc = warp; jc < kChunks; jc += kWarps) {
-      cuda::Vec<T, kPer> vt[4];
+      cuda::Vec<T, kPer> v[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) vt[i] = tile.load(lane + 32 * i, jc);
+      for (int i = 0; i < 4; ++i) v[i] = tile.load(lane + 32 * i, jc);
 #pragma unroll
-      for (int k0 = 0; k0 < kPer; k0 += 4) {  // 4 columns at a time (registers)
-        float st[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) st[k] = tile_s;
+      for (int k = 0; k < kPer; ++k) {
+        const int64_t col = c0 + jc * kPer + k;
+        float s = tile_s;
         if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
-          uint32_t amax[4];
+          uint32_t amax = 0;
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            amax[k] = 0;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) amax[k] = max(amax[k], abs_bits(to_acc(vt[i].v[k0 + k])));
-          }
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1)  // rows past x: zeros
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-              amax[k] = max(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], o));
-#pragma unroll
-          for (int k = 0; k < 4; ++k) st[k] = fp8::multiplier(__uint_as_float(amax[k]), f, pow2);
-          if (lane == 0) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const int64_t col = c0 + jc * kPer + k0 + k;
-              if (col < cols) scale_inv_t[stripe * cols + col] = 1.f / st[k];
-            }
-          }
+          for (int i = 0; i < 4; ++i) amax = max(amax, abs_bits(to_acc(v[i].v[k])));
+          amax = warp_amax(amax);  // rows past x: zeros
+          s = fp8::multiplier(__uint_as_float(amax), f, pow2);
+          if (lane == 0 && col < cols) scale_inv_t[stripe * cols + col] = 1.f / s;
         }
+        if (col >= cols) continue;
+        const uint32_t out = quantize2(to_acc(v[0].v[k]), to_acc(v[1].v[k]), s, f) |
+                             quantize2(to_acc(v[2].v[k]), to_acc(v[3].v[k]), s, f) << 16;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int64_t col = c0 + jc * kPer + k0 + k;
-          const uint32_t out =
-              quantize2(to_acc(vt[0].v[k0 + k]), to_acc(vt[1].v[k0 + k]), st[k], f) |
-              quantize2(to_acc(vt[2].v[k0 + k]), to_acc(vt[3].v[k0 + k]), st[k], f) << 16;
-          if (col >= cols) continue;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int64_t r = r0 + lane + 32 * i;
-            if (r < rows) q_t[col * rows + r] = uint8_t(out >> (8 * i));
-          }
+        for (int i = 0; i < 4; ++i) {
+          const int64_t r = r0 + lane + 32 * i;
+          if (r < rows) q_t[col * rows + r] = uint8_t(out >> (8 * i));
         }
       }
     }
