@@ -64,8 +64,10 @@ class _Fp8GatedMLP(torch.autograd.Function):
         dh = fp8_gemm(qdy, s_in, _t(w_down_t, w_down_t_scale), s_w, gate_up.dtype)
         dw_down = fp8_gemm(_t(qdy.data_t, qdy.scale_inv_t), s_in, _t(h_t, h_t_scale), s_in,
                            ctx.w_dtypes[2])
+        del qdy
         gate, up = gate_up.chunk(2, dim=-1)
         qdgu = fp8_gated_backward(dh, gate, up, ctx.activation, s_in, fmt, True, pow2)
+        del dh, gate, up  # not held through the gate/up GEMMs
         # gate/up: dx = d[gate | up] W_gu; dW_gu = d[gate | up]^T x
         dx = fp8_gemm(qdgu, s_in, _t(w_gu_t, w_gu_t_scale), s_w, ctx.x_dtype)
         dw_gu = fp8_gemm(_t(qdgu.data_t, qdgu.scale_inv_t), s_in, _t(x_t, x_t_scale), s_in,
