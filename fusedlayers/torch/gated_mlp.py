@@ -29,7 +29,9 @@ class _Leaves(torch.fx.Tracer):
 class GatedMLP(nn.Module):
     """down(gated(gate(x), up(x))), or with `gate_up` one projection whose output's halves are
     gate and up (chunk(2, -1)). The projections are the original MLP's modules, under its names
-    (`names`: role -> attribute name). Subclasses set `activation` and define `gated`."""
+    (`names`: role -> attribute name). Subclasses set `activation` and define `gated`. Where
+    fuse(model, fp8=) made every projection an Fp8Linear of one recipe, it runs as one
+    fp8_gated_mlp (the activation writing FP8 itself) wherever that op's rules hold."""
 
     activation = ""
 
