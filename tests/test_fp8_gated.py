@@ -216,7 +216,8 @@ def test_fuse_runs_a_llama_mlp_through_it(monkeypatch, seed):
     fuse(model, fp8=Fp8Recipe())
     calls = []
     real = mlp_module.fp8_gated_mlp
-    monkeypatch.setattr(mlp_module, "fp8_gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(mlp_module, "fp8_gated_mlp",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     ids = torch.randint(0, 128, (2, 16))
     model(input_ids=ids).logits.float().sum().backward()
     assert calls == [1]

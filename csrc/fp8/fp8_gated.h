@@ -7,12 +7,13 @@
 //             gate's columns first), each value rounded to gate's dtype, then quantized as
 //             fp8_quantize quantizes that concatenation: the operands of the gate/up
 //             projection's dgrad and (q_t) wgrad.
-// So the FP8 values and scales are, bit for bit on every device, those of the unfused
-// composition (gated then fp8_quantize), without the rounded tensor ever being written.
+// So the FP8 values and scales are, bit for bit, those of the unfused composition (gated then
+// fp8_quantize) on the same device, without the rounded tensor ever being written.
 // Tensorwise scaling takes two passes (the amax of the values, then the values again).
 //
 // The contract, for every binding: gate and up as gated.h's (rows x cols, rows of each
-// `row_stride` apart), float16 or bfloat16 (the activations FP8 training runs in); scaling 1x128 or tensorwise; cols a multiple of 128 (so that a 1x128 block or a 128x128 tile of the
+// `row_stride` apart), float16 or bfloat16 (the activations FP8 training runs in); scaling 1x128
+// or tensorwise (128x128 tiles are for weights); cols a multiple of 128 (so that a block of the
 // backward's concatenation holds dgate or dup alone, as the CUDA kernel computes them side by
 // side); dy contiguous, gate's shape and dtype; out's buffers sized by fp8_scale_sizes for rows x
 // cols (forward) or rows x 2 cols (backward). Errors: Error of kind kType for dtypes, kValue

@@ -4,8 +4,9 @@
 // rows as fp8_quantize's staged kernel does. The forward stages gate's and up's tiles in shared
 // memory (cp.async where the strides and pointers allow 16-byte chunks) and computes in place,
 // three blocks an SM overlapping each other's loads; the backward loads dy, gate and up into
-// registers (half of a thread's loads in flight at once, two blocks an SM) and computes a tile of dgate and the
-// matching tile of dup. Tensorwise scaling first reduces the values' amax in a pass of its own.
+// registers (half of a thread's loads in flight at once, two blocks an SM) and computes a tile
+// of dgate and the matching tile of dup. Tensorwise scaling first reduces the values' amax in a
+// pass of its own.
 #include "activation/cuda_gated.cuh"
 #include "fp8/fp8_gated.h"
 #include "fp8/fp8_tile.cuh"
@@ -54,13 +55,17 @@ __device__ __forceinline__ void stage(const StagedTile<T>& tile, const T* __rest
   }
 }
 
-// The tile's chunks a thread computes: kIters of them.
+// The tile's chunks a thread computes (T a half type): kIters of them, the it-th at (row, chunk).
 template <typename T>
-struct TileWork {  // T: a half type
+struct TileWork {
   static constexpr int kPer = StagedTile<T>::kPerChunk, kChunks = StagedTile<T>::kChunks;
   static constexpr int kIters = kFp8Block * kChunks / kThreads;  // 8
-  __device__ __forceinline__ static int row(int it) { return (threadIdx.x + it * kThreads) / kChunks; }
-  __device__ __forceinline__ static int chunk(int it) { return (threadIdx.x + it * kThreads) % kChunks; }
+  __device__ __forceinline__ static int row(int it) {
+    return (threadIdx.x + it * kThreads) / kChunks;
+  }
+  __device__ __forceinline__ static int chunk(int it) {
+    return (threadIdx.x + it * kThreads) % kChunks;
+  }
 };
 
 // The values of act(gate) * up: the tile (stripe, cb) staged (gate's and up's tiles in shared
