@@ -13,9 +13,7 @@ Fp8Tensors forward_kernel(const at::Tensor& gate, const at::Tensor& up,
                           c10::string_view activation, c10::string_view scaling,
                           c10::string_view format, bool transpose, bool power_of_2_scales) {
   const char* op = "fp8_gated_forward";
-  check_tensors(op, "gate", gate, {});
-  check_floating(op, "up", up);
-  check_same_device(op, "up", up, "gate", gate);
+  check_gated_args(op, gate, up);
   at::Tensor g, u;
   Fp8GatedForward a;
   a.gate = gated_input(gate, g);
@@ -34,11 +32,7 @@ Fp8Tensors backward_kernel(const at::Tensor& dy_in, const at::Tensor& gate, cons
                            c10::string_view activation, c10::string_view scaling,
                            c10::string_view format, bool transpose, bool power_of_2_scales) {
   const char* op = "fp8_gated_backward";
-  check_tensors(op, "dy", dy_in, {});
-  check_floating(op, "gate", gate);
-  check_floating(op, "up", up);
-  check_same_device(op, "gate", gate, "dy", dy_in);
-  check_same_device(op, "up", up, "dy", dy_in);
+  check_gated_backward_args(op, dy_in, gate, up);
   const at::Tensor dy = dy_in.contiguous();
   at::Tensor g, u;
   Fp8GatedBackward a;

@@ -57,9 +57,7 @@ struct Geglu {
 template <typename Op>
 at::Tensor forward_kernel(const at::Tensor& gate, const at::Tensor& up,
                           c10::string_view approximate) {
-  check_tensors(Op::kName, "gate", gate, {});
-  check_floating(Op::kName, "up", up);
-  check_same_device(Op::kName, "up", up, "gate", gate);
+  check_gated_args(Op::kName, gate, up);
   at::Tensor g, u;
   GatedForward a{gated_input(gate, g), gated_input(up, u), Op::activation(Op::kName, approximate)};
   const RowsCols rc = call_csrc([&] { return gated_forward_check(Op::kName, a); });
@@ -75,11 +73,7 @@ std::tuple<at::Tensor, at::Tensor> backward_kernel(const at::Tensor& dy_in, cons
                                                    const at::Tensor& up,
                                                    c10::string_view approximate) {
   const char* op = Op::kBackward;
-  check_tensors(op, "dy", dy_in, {});
-  check_floating(op, "gate", gate);
-  check_floating(op, "up", up);
-  check_same_device(op, "gate", gate, "dy", dy_in);
-  check_same_device(op, "up", up, "dy", dy_in);
+  check_gated_backward_args(op, dy_in, gate, up);
   const at::Tensor dy = dy_in.contiguous();
   at::Tensor g, u;
   GatedBackward a{ref(dy), gated_input(gate, g), gated_input(up, u),

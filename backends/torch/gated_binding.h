@@ -1,5 +1,5 @@
-// A gated op's gate and up arguments as csrc reads them (activation/gated.h), shared by the
-// gated activations' binding and their FP8 form's.
+// A gated op's gate and up arguments as csrc reads them (activation/gated.h) and their checks,
+// shared by the gated activations' binding and their FP8 form's.
 #pragma once
 
 #include "backends/torch/torch_binding.h"
@@ -36,6 +36,22 @@ inline GatedInput gated_input(const at::Tensor& t, at::Tensor& keep) {
   }
   return {{t.data_ptr(), to_dtype(t.scalar_type()), sizes(t.sizes()), true},
           row_stride < 0 ? 0 : row_stride};
+}
+
+// The tensor checks of a gated op's arguments that csrc cannot see (dtypes it does not take,
+// devices), naming op: the forward's gate and up, and the backward's dy beside them.
+inline void check_gated_args(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  check_tensors(op, "gate", gate, {});
+  check_floating(op, "up", up);
+  check_same_device(op, "up", up, "gate", gate);
+}
+inline void check_gated_backward_args(const char* op, const at::Tensor& dy,
+                                      const at::Tensor& gate, const at::Tensor& up) {
+  check_tensors(op, "dy", dy, {});
+  check_floating(op, "gate", gate);
+  check_floating(op, "up", up);
+  check_same_device(op, "gate", gate, "dy", dy);
+  check_same_device(op, "up", up, "dy", dy);
 }
 
 }  // namespace fusedlayers::torch_binding

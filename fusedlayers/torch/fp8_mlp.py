@@ -99,30 +99,35 @@ def fp8_gated_mlp(x: torch.Tensor, gate_up_weight, down_weight: torch.Tensor,
     recipe = recipe or Fp8Recipe()
     w_gate, w_up = gate_up_weight if isinstance(gate_up_weight, (tuple, list)) else \
         (gate_up_weight, None)
-    why = _why_not(x, w_gate, w_up, down_weight, recipe)
-    if why:
-        raise (TypeError if "dtype" in why else ValueError)(f"fusedlayers.fp8_gated_mlp: {why}")
+    error = _argument_error(x, w_gate, w_up, down_weight, recipe)
+    if error:
+        raise type(error)(f"fusedlayers.fp8_gated_mlp: {error}")
     return _Fp8GatedMLP.apply(x, w_gate, w_up, down_weight, activation, recipe, _out_dtype(x))
 
 
-def _why_not(x, w_gate, w_up, w_down, recipe) -> str:
-    """Why fp8_gated_mlp cannot take these arguments, or "" where it can."""
+def _argument_error(x, w_gate, w_up, w_down, recipe) -> Exception | None:
+    """The error fp8_gated_mlp raises for these arguments (its message without the op's name),
+    or None where it takes them."""
     hidden = x.shape[-1]
     ffn = w_gate.shape[0] if w_up is not None else w_gate.shape[0] // 2
     shapes = [tuple(w.shape) for w in (w_gate, w_up, w_down) if w is not None]
     want = [(ffn, hidden), (ffn, hidden)] if w_up is not None else [(2 * ffn, hidden)]
     if shapes != [*want, (hidden, ffn)]:
-        return f"weights of shapes {shapes} do not make an MLP of width {hidden}"
+        return ValueError(f"weights of shapes {shapes} do not make an MLP of width {hidden}")
     if ffn % BLOCK or hidden % MULTIPLE:
-        return f"ffn must be a multiple of {BLOCK} and hidden of {MULTIPLE}, got {ffn}, {hidden}"
+        return ValueError(f"ffn must be a multiple of {BLOCK} and hidden of {MULTIPLE}, got {ffn}, "
+                          f"{hidden}")
     tokens = x.numel() // hidden if hidden else 0
     if tokens == 0 or tokens % MULTIPLE:
-        return f"the token count must be a positive multiple of {MULTIPLE}, got {tokens}"
+        return ValueError(f"the token count must be a positive multiple of {MULTIPLE}, got "
+                          f"{tokens}")
     if frozenset(recipe.gemms) != ALL_GEMMS:
-        return f"the recipe must run all three GEMMs in FP8, got {sorted(recipe.gemms)}"
+        return ValueError(f"the recipe must run all three GEMMs in FP8, got "
+                          f"{sorted(recipe.gemms)}")
     if _out_dtype(x) not in (torch.float16, torch.bfloat16):
-        return f"activations must have dtype float16 or bfloat16, got {_out_dtype(x)}"
-    return ""
+        return TypeError(f"activations must have dtype float16 or bfloat16, got "
+                         f"{_out_dtype(x)}")
+    return None
 
 
 def applies(mlp, x: torch.Tensor) -> bool:
@@ -137,7 +142,7 @@ def applies(mlp, x: torch.Tensor) -> bool:
         return False
     w_gate, w_up = (layers[0].weight, None) if len(layers) == 2 else \
         (layers[0].weight, layers[1].weight)
-    return not _why_not(x, w_gate, w_up, layers[-1].weight, layers[0].recipe)
+    return _argument_error(x, w_gate, w_up, layers[-1].weight, layers[0].recipe) is None
 
 
 def reference(x, gate_up_weight, down_weight, activation="silu", recipe=None) -> torch.Tensor:
