@@ -192,13 +192,8 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  amax = warp_amax(amax);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) amax = max(amax, warp_max[w]);
-    atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax);
-  }
+  amax = block_amax(amax, warp_max);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax);
 }
 
 // launch(T{}, act, scaling, transpose) for the arguments' dtype, activation, scaling (1x128 or

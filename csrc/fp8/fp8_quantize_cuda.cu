@@ -61,10 +61,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
       for (int k = 0; k < 4; ++k) amax = max(amax, abs_bits(v(i, k)));
-    amax = warp_amax(amax);
-    if (lane == 0) warp_max[warp] = amax;
-    __syncthreads();
-    for (int w = 0; w < kWarps; ++w) amax = max(amax, warp_max[w]);
+    amax = block_amax(amax, warp_max);
     tile_s = fp8::multiplier(__uint_as_float(amax), f, pow2);
     if (threadIdx.x == 0) {  // rows of scales padded to 4 floats (fp8.h)
       const int64_t ld = (gridDim.x + 3) / 4 * 4, ld_t = (gridDim.y + 3) / 4 * 4;
@@ -129,13 +126,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * kThreads)
     amax = max(amax, abs_bits(to_acc(x[i])));
-  amax = warp_amax(amax);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) amax = max(amax, warp_max[w]);
-    atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax);
-  }
+  amax = block_amax(amax, warp_max);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax);
 }
 
 // x's rows as 16-byte chunks (cols a multiple of 16 / sizeof(T), x 16-byte aligned): a

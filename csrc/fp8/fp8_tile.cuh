@@ -25,6 +25,16 @@ __device__ __forceinline__ uint32_t warp_amax(uint32_t v) {
   return v;
 }
 
+// The max of every thread's v over the block (kThreads threads, all of which call it), returned
+// to each; warp_max: kWarps words of shared memory.
+__device__ __forceinline__ uint32_t block_amax(uint32_t v, uint32_t* warp_max) {
+  v = warp_amax(v);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  for (int w = 0; w < kWarps; ++w) v = max(v, warp_max[w]);
+  return v;
+}
+
 // |x * s| as a float32 whose round-to-nearest-even in the format is that of the exact product:
 // fl(x * s), one ulp toward the exact product where fl(x * s) lies exactly on a tie (the dropped
 // bits, below the format's step at that magnitude, are exactly one half).
@@ -126,10 +136,7 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
 #pragma unroll
       for (int k = 0; k < kPer; ++k) amax = max(amax, abs_bits(to_acc(v.v[k])));
     }
-    amax = warp_amax(amax);
-    if (lane == 0) warp_max[warp] = amax;
-    __syncthreads();
-    for (int w = 0; w < kWarps; ++w) amax = max(amax, warp_max[w]);
+    amax = block_amax(amax, warp_max);
     tile_s = fp8::multiplier(__uint_as_float(amax), f, pow2);
     if (threadIdx.x == 0) {  // rows of scales padded to 4 floats (fp8.h)
       const int64_t stripes = (rows + kFp8Block - 1) / kFp8Block;
