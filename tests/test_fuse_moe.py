@@ -147,24 +147,31 @@ def test_bfloat16_loss_and_gradients_calibrated(name, seed):
 
 
 def test_adamw_steps_track_the_unfused_model(seed):
-    """Trained five AdamW steps with the router loss on, the fused model's losses and weights
-    stay with the unfused model's."""
+    """Trained five AdamW steps with the router loss on, the fused model's losses stay with the
+    unfused model's, and its weights are as close to the same training in float64 as the
+    unfused float32 model's are (AdamW's normalized steps make the float32 runs' rounding
+    differences grow unevenly: seeds where the unfused model is 5e-4 from float64 and the fused
+    one closer exist), within a floor of a few times the two float32 runs' usual distance."""
     torch.manual_seed(seed)
     model = moe_lm("qwen3_moe", output_router_logits=True)
     fused = fused_copy(model)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, fused)]
+    exact = copy.deepcopy(model).double()
+    exact.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
+    models = (model, fused, exact)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     for step in range(5):
         ids, labels = batch(seed + step)
         losses = []
-        for m, opt in zip((model, fused), opts):
+        for m, opt in zip(models, opts):
             opt.zero_grad()
             loss = m(input_ids=ids, labels=labels).loss
             loss.backward()
             opt.step()
             losses.append(loss.item())
         assert abs(losses[1] - losses[0]) <= 1e-4 * abs(losses[0]), (step, losses)
-    for (n, p), q in zip(model.named_parameters(), fused.parameters()):
-        assert rel_err(q.detach(), p.detach()) <= 1e-4, n
+    for (n, p), q, r in zip(model.named_parameters(), fused.parameters(), exact.parameters()):
+        ours, unfused = (rel_err(t.detach().double(), r.detach()) for t in (q, p))
+        assert ours <= 2 * unfused + 5e-5, (n, ours, unfused)
 
 
 def test_fused_experts_undone():

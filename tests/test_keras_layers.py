@@ -121,13 +121,14 @@ def test_layer_norm_matches_keras(rng, axis, center, scale, rms):
     axes = sorted(a % len(shape) for a in ours.axis)
     perm = [d for d in range(len(shape)) if d not in axes] + axes
     gam = np64(ref.gamma).reshape([shape[a] for a in axes]) if ref.gamma is not None else None
-    sc = ln_grad_scales(x64.transpose(perm), gam, np64(dy).transpose(perm), len(axes),
-                        kw["epsilon"], rms_scaling=rms)[0]
-    scales = {"x": sc.transpose(np.argsort(perm))}
+    sc, sc_gamma, sc_beta = ln_grad_scales(x64.transpose(perm), gam, np64(dy).transpose(perm),
+                                           len(axes), kw["epsilon"], rms_scaling=rms)
+    # dgamma and dbeta too: sums over the rows, judged against the terms summed (they cancel)
+    scales = {"x": sc.transpose(np.argsort(perm)), "gamma": sc_gamma, "beta": sc_beta}
     for name in gr:
         assert g[name] is not None, f"{what}: no gradient for {name}"
         assert g[name].dtype == gk[name].dtype and g[name].shape == gr[name].shape
-        sc = scales.get(name)
+        sc = scales[name].reshape(gr[name].shape) if name in scales else None
         assert_calibrated(rel_err(g[name], gr[name], sc), rel_err(gk[name], gr[name], sc),
                           f"{what} d{name}", dtype="float32", numel=int(np.prod(gr[name].shape)),
                           rng=rng, floor=2 * EPS["float32"])
