@@ -27,6 +27,15 @@ def _t(data, scale_inv) -> Fp8Quantized:
     return Fp8Quantized(data, scale_inv, None, None)
 
 
+def _release(saved: torch.Tensor) -> None:
+    """Free a saved tensor's memory past its last use in the backward, as autograd frees the
+    saved tensors of each node of an unfused graph once that node has run (one node holding
+    them all would keep them to its end; Transformer Engine frees its saved activations in the
+    same way). Eager only: a traced backward's buffers are the compiler's."""
+    if not torch.compiler.is_compiling():
+        saved.data = torch.empty(0, dtype=saved.dtype, device=saved.device)
+
+
 class _Fp8GatedMLP(torch.autograd.Function):
     """y = down(act(gate) * up), [gate | up] = x W_gu^T. W_gu is gate_up, or gate and up
     stacked (their gradients split back)."""
@@ -38,13 +47,15 @@ class _Fp8GatedMLP(torch.autograd.Function):
         w_gu = w_gate if w_up is None else torch.cat([w_gate, w_up])
         qx = fp8_quantize(x2, s_in, "e4m3", True, pow2)
         qw_gu = fp8_quantize(w_gu, s_w, "e4m3", True, pow2)
+        del w_gu  # a stacked copy: not held beside what follows
         gate_up = fp8_gemm(qx, s_in, qw_gu, s_w, out_dtype)
+        saved = [qx.data_t, qx.scale_inv_t, qw_gu.data_t, qw_gu.scale_inv_t, gate_up]
+        del qx, qw_gu  # their row-major forms are this GEMM's alone
         gate, up = gate_up.chunk(2, dim=-1)
         qh = fp8_gated(gate, up, activation, s_in, "e4m3", True, pow2)
         qw_down = fp8_quantize(w_down, s_w, "e4m3", True, pow2)
         y = fp8_gemm(qh, s_in, qw_down, s_w, out_dtype)
-        ctx.save_for_backward(qx.data_t, qx.scale_inv_t, qw_gu.data_t, qw_gu.scale_inv_t,
-                              gate_up, qh.data_t, qh.scale_inv_t, qw_down.data_t,
+        ctx.save_for_backward(*saved, qh.data_t, qh.scale_inv_t, qw_down.data_t,
                               qw_down.scale_inv_t)
         ctx.activation, ctx.recipe, ctx.split = activation, recipe, w_up is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -55,6 +66,10 @@ class _Fp8GatedMLP(torch.autograd.Function):
     def backward(ctx, dy):
         (x_t, x_t_scale, w_gu_t, w_gu_t_scale, gate_up, h_t, h_t_scale, w_down_t,
          w_down_t_scale) = ctx.saved_tensors
+        if gate_up.numel() == 0:
+            raise RuntimeError("fusedlayers.fp8_gated_mlp: a second backward through one forward "
+                               "(retain_graph=True) is not supported: the first frees the saved "
+                               "activations as it goes; run the forward again")
         recipe = ctx.recipe
         s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
         fmt = recipe.grad_format
@@ -62,14 +77,18 @@ class _Fp8GatedMLP(torch.autograd.Function):
         qdy = fp8_quantize(dy2, s_in, fmt, True, pow2)
         # down: dh = dy W_down (W_down^T [ffn, hidden] is b); dW_down = dy^T h
         dh = fp8_gemm(qdy, s_in, _t(w_down_t, w_down_t_scale), s_w, gate_up.dtype)
+        _release(w_down_t)
         dw_down = fp8_gemm(_t(qdy.data_t, qdy.scale_inv_t), s_in, _t(h_t, h_t_scale), s_in,
                            ctx.w_dtypes[2])
         del qdy
+        _release(h_t)
         gate, up = gate_up.chunk(2, dim=-1)
         qdgu = fp8_gated_backward(dh, gate, up, ctx.activation, s_in, fmt, True, pow2)
         del dh, gate, up  # not held through the gate/up GEMMs
+        _release(gate_up)
         # gate/up: dx = d[gate | up] W_gu; dW_gu = d[gate | up]^T x
         dx = fp8_gemm(qdgu, s_in, _t(w_gu_t, w_gu_t_scale), s_w, ctx.x_dtype)
+        _release(w_gu_t)
         dw_gu = fp8_gemm(_t(qdgu.data_t, qdgu.scale_inv_t), s_in, _t(x_t, x_t_scale), s_in,
                          ctx.w_dtypes[0])
         if ctx.split:
