@@ -136,9 +136,10 @@ def bench(argv: list[str]) -> int:
         "config), unfused vs fusedlayers.torch.fuse, instead of single ops; with --framework "
         "jax, of a Keras model on Keras' JAX backend (bert-base: a BERT-base-shaped encoder; "
         "llama: 4 Llama-1B-shaped decoder blocks; llama-lm, llama-lm-128k: the ~1.1B Llama LM "
-        "with its head and loss), unfused vs fused")
+        "with its head and loss; llama-8b-layers: Llama-3-8B's layer shape, torch only), "
+        "unfused vs fused")
     model.add_argument("--model", choices=("bert-base", "vit-base", "gpt2", "llama", "llama-lm",
-                                           "llama-lm-128k", "qwen3-moe"))
+                                           "llama-lm-128k", "qwen3-moe", "llama-8b-layers"))
     model.add_argument("--tiny", action="store_true", help="2 layers of width 64 (CPU, tests)")
     model.add_argument("--jax-impl", default="",
                        help="with --framework jax: ';'-separated FUSEDLAYERS_JAX_IMPL settings "
@@ -170,7 +171,9 @@ def bench(argv: list[str]) -> int:
                         help="time FP8 quantization (GB/s; beside the same in stock torch ops, "
                              "eager and compiled), the FP8 GEMMs (TFLOP/s; beside bf16 and "
                              "torch._scaled_mm) and two Llama-3-8B MLP blocks (beside bf16 and, "
-                             "with --peers, torchao's float8) (fusedlayers.bench.fp8*)")
+                             "with --peers, torchao's float8) (fusedlayers.bench.fp8*); with "
+                             "--model, the model also as fuse(model, fp8=) with each recipe "
+                             "(and, with --peers, torchao's float8, compiled)")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
         "for a 12-block MLP stack and the --model models (fusedlayers.bench.memory)")
@@ -182,7 +185,7 @@ def bench(argv: list[str]) -> int:
         args.rounds = 3 if args.quick else 5
     if args.optimizer:
         return _bench_optimizer(args)
-    if args.fp8:
+    if args.fp8 and not args.model:
         return _bench_fp8(args)
     if args.framework == "tensorflow":
         if args.model or args.memory:
@@ -288,7 +291,7 @@ def _bench_model(args, device: str, name: str) -> int:
                   tuple(args.precision.split(",")) if args.precision else None,
                   tuple(args.modes.split(",")),
                   args.rounds, args.steps, tiny=args.tiny, log=say, distributed=args.distributed,
-                  peers=args.peers, layers=args.layers, adamw=args.adamw)
+                  peers=args.peers, layers=args.layers, adamw=args.adamw, fp8=args.fp8)
     if args.distributed:
         dist.destroy_process_group()
     if first and args.json:

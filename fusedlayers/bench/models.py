@@ -10,8 +10,10 @@ LlamaForCausalLM with vocabularies of 32000 / 128256, trained on its own loss of
 labels: fuse() runs its head and loss as linear_cross_entropy) and qwen3-moe (a
 Qwen3-30B-A3B-shaped Qwen3MoeForCausalLM of 8 layers: hidden 2048, 32/4 heads of 128, 128 experts
 of width 768, top-8, vocabulary 151936, 2 x 2048 tokens, bf16 parameters by default; fuse() runs
-its experts as moe_experts); `tiny` shrinks each to 2 layers of width 64 for a quick run on the
-CPU. A step is forward, a loss (the causal LMs' own; else the
+its experts as moe_experts) and llama-8b-layers (Llama-3-8B's layer shape: hidden 4096, ffn
+14336, 32/8 heads of 128, vocabulary 128256, LAYERS_8B of its 32 layers, 1 x 4096 tokens, bf16
+parameters with float32 masters by default); `tiny` shrinks each to 2 layers of width 64 for a
+quick run on the CPU. A step is forward, a loss (the causal LMs' own; else the
 mean square of the last hidden state), backward and AdamW (fused on CUDA).
 
 Unfused and fused run interleaved in A/B rounds (ABBA order), so drift in clocks or host load hits
@@ -21,6 +23,12 @@ all rounds is reported. GPU-busy time is the sum of kernel times per step from t
 counted with the other GEMMs). Peak memory is torch.cuda.max_memory_allocated over one step.
 The first forward of the fused model, in eval() on the same input, is compared with the unfused
 one: ||fused - unfused|| / ||unfused||.
+
+With `fp8` the fused model is also timed as `fuse(model, fp8=recipe)` (blockwise and
+tensorwise: its linears FP8, the gated MLPs as fp8_gated_mlp, the LM head in bf16) and, with
+`peers` where torchao imports, as torchao's float8 training (tensorwise and rowwise, the LM head
+left out as fuse() leaves it) under torch.compile, which torchao's casts need; their rows follow
+the case's row.
 
 With `distributed` (under torchrun, `bench --model NAME --distributed`) both models train under
 DistributedDataParallel over NCCL, one process per GPU, each on `batch` samples (the global batch
@@ -34,22 +42,29 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .table import did_not_run, out_of_memory
 
-MODELS = ("bert-base", "vit-base", "gpt2", "llama", "llama-lm", "llama-lm-128k", "qwen3-moe")
+MODELS = ("bert-base", "vit-base", "gpt2", "llama", "llama-lm", "llama-lm-128k", "qwen3-moe",
+          "llama-8b-layers")
 # (host-bound, GPU-bound) batch on an H100, and on the CPU (tiny configs); llama: 4 x 2048 tokens.
 DEFAULT_BATCHES = {"bert-base": (16, 64), "vit-base": (32, 128), "gpt2": (16, 64), "llama": (4,),
-                   "llama-lm": (4,), "llama-lm-128k": (4,), "qwen3-moe": (2,)}
+                   "llama-lm": (4,), "llama-lm-128k": (4,), "qwen3-moe": (2,),
+                   "llama-8b-layers": (1,)}
+# llama-8b-layers' decoder layers: its ~2.8B parameters (with the embedding and head) in bf16
+# with gradients, float32 masters and AdamW's moments (16 bytes a parameter, ~45 GB, one copy
+# shared by the variants) beside one variant's activations of 4096 tokens fit an 80 GB GPU.
+LAYERS_8B = 8
 # Models whose variants share one set of parameters and one optimizer (each variant is the same
 # weights under a different forward): three copies of the MoE's ~5.5B parameters with their
-# gradients and AdamW states would not fit one GPU.
-SHARED_WEIGHTS = {"qwen3-moe"}
+# gradients and AdamW states would not fit one GPU, nor would the 8B layers' copies with the
+# FP8 variants.
+SHARED_WEIGHTS = {"qwen3-moe", "llama-8b-layers"}
 # Precisions when none is asked for: the MoE in bf16 parameters.
-DEFAULT_PRECISIONS = {"qwen3-moe": ("bf16",)}
+DEFAULT_PRECISIONS = {"qwen3-moe": ("bf16",), "llama-8b-layers": ("bf16-master",)}
 # Layers with float32 parameters (autocast, fp32) where the model's own count would not fit an
 # 80 GB GPU: the MoE's float32 parameters, gradients and AdamW states of 8 layers take ~88 GB.
 FLOAT32_LAYERS = {"qwen3-moe": 4}
@@ -78,6 +93,8 @@ class ModelRow:
     liger_ms: float | None = None
     liger_peak_mb: float | None = None
     not_run: str = ""  # which variants did not run, and why
+    # With fp8: each FP8 variant's {"ms", "peak_mb", "vs_fused"} (fused_ms / its ms)
+    fp8: dict = field(default_factory=dict)
 
 
 def build(name: str, tiny: bool, seed: int = 0, layers: int | None = None):
@@ -103,6 +120,19 @@ def build(name: str, tiny: bool, seed: int = 0, layers: int | None = None):
 
         def inputs(batch, device, dtype):
             return {"input_ids": torch.randint(0, vocab, (batch, seq), device=device)}
+    elif name == "llama-8b-layers":
+        llama8 = dict(hidden_size=4096, num_hidden_layers=layers or LAYERS_8B,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=4096,
+                      rope_theta=500000.0)
+        if tiny:
+            llama8.update(small, num_key_value_heads=2, head_dim=16, vocab_size=1000)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama8))
+        vocab, llama8_seq = model.config.vocab_size, 32 if tiny else 4096
+
+        def inputs(batch, device, dtype):
+            ids = torch.randint(0, vocab, (batch, llama8_seq), device=device)
+            return {"input_ids": ids, "labels": ids}
     elif name.startswith("llama"):
         # A ~1.1B Llama (d 2048, 16 layers, GQA 32/8 heads, ffn 5632, vocab 32000), 2048 tokens;
         # -lm: LlamaForCausalLM with its own loss on labels (fuse() fuses the head and loss),
@@ -276,11 +306,12 @@ def _first_forward_diff(unfused, fused, inputs, precision, device) -> float:
 def run(name: str, device: str = "cuda", batches=None, precisions=None,
         modes=("eager", "compile"), rounds: int = 5, steps: int = 4, warmup: int = 3,
         tiny: bool = False, log=print, distributed: bool = False,
-        peers: bool = False, layers: int | None = None, adamw: str = "torch") -> list[ModelRow]:
+        peers: bool = False, layers: int | None = None, adamw: str = "torch",
+        fp8: bool = False) -> list[ModelRow]:
     """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
     `distributed`: under an initialized torch.distributed process group, each model in DDP.
     `peers`: the Llamas and the MoE in eager mode also with Liger-Kernel's patches (_liger), in
-    the same rounds, where it imports. precisions: default DEFAULT_PRECISIONS, else autocast and
+    the same rounds, where it imports. fp8: the FP8 variants too (module docstring). precisions: default DEFAULT_PRECISIONS, else autocast and
     bf16. adamw: "torch" (torch.optim.AdamW, fused on CUDA) or "fusedlayers" (its AdamW). layers: the decoder's layer count (default: the model's, or FLOAT32_LAYERS with float32
     parameters); a count other than the model's is named in the rows."""
     from ..torch import fuse
@@ -312,6 +343,7 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                 share = name in SHARED_WEIGHTS
                 params = {id(p): p for p in base.parameters()} if share else {}
                 opt = optimizer(base, dev, adamw, precision) if share else None
+                not_run = {}
                 unfused = copy.deepcopy(base, dict(params))
                 fused = fuse(copy.deepcopy(base, dict(params)))
                 diff = _first_forward_diff(unfused, fused, inputs, precision, dev)
@@ -325,8 +357,16 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                     liger = copy.deepcopy(base, dict(params))
                     variants["liger"] = _Variant(liger, dev, precision, mode, distributed,
                                                  around=_liger(liger), opt=opt, adamw=adamw)
+                if fp8:
+                    for k, make in _fp8_variants(base, params, peers).items():
+                        try:
+                            m, mode_k = make()
+                        except Exception as e:  # noqa: BLE001 (a peer that does not convert)
+                            not_run[k] = did_not_run(e)
+                            continue
+                        variants[k] = _Variant(m, dev, precision, mode_k or mode, distributed,
+                                               opt=opt, adamw=adamw)
                 t_start = time.perf_counter()
-                not_run = {}
 
                 def each(order, fn):
                     """fn(name, variant) for the variants in `order` still running; one that runs
@@ -337,7 +377,7 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                         try:
                             fn(k, variants[k])
                         except Exception as e:  # noqa: BLE001 (out of memory: the row says so)
-                            if not out_of_memory(e):
+                            if not out_of_memory(e) and k not in FALLIBLE:
                                 raise
                             not_run[k] = did_not_run(e)
                             del variants[k]
@@ -366,7 +406,10 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                                *gpu.get("unfused", (None, None))[:1],
                                *gpu.get("fused", (None, None)), peak.get("unfused"),
                                peak.get("fused"), diff, ms.get("liger"), peak.get("liger"),
-                               "; ".join(f"{k} did not run: {why}" for k, why in not_run.items()))
+                               "; ".join(f"{k} did not run: {why}" for k, why in not_run.items()),
+                               {k: {"ms": t, "peak_mb": peak.get(k),
+                                    "vs_fused": ms["fused"] / t if "fused" in ms else None}
+                                for k, t in ms.items() if k not in ("unfused", "fused", "liger")})
                 rows.append(row)
                 log(f"{format_row(row)}   [{time.perf_counter() - t_start:.0f} s]")
                 del variants, unfused, fused, opt
@@ -374,6 +417,33 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+# Variants whose errors are rows (a peer's conversion or compile), not the bench's failure.
+FALLIBLE = {"torchao tensorwise", "torchao rowwise"}
+
+
+def _fp8_variants(base, params: dict, peers: bool) -> dict:
+    """name -> make() returning (model, mode): fuse(model, fp8=) with each recipe (the case's
+    mode) and, with peers, torchao's float8 training (compiled)."""
+    from ..fp8_recipe import Fp8Recipe
+    from ..torch import fuse
+    out = {f"fp8 {r}": (lambda r=r: (fuse(copy.deepcopy(base, dict(params)),
+                                         fp8=Fp8Recipe(r)), None))
+           for r in ("blockwise", "tensorwise")}
+    if peers:
+        for r in ("tensorwise", "rowwise"):
+            out[f"torchao {r}"] = lambda r=r: (_torchao(copy.deepcopy(base, dict(params)), r),
+                                               "compile")
+    return out
+
+
+def _torchao(model, recipe: str):
+    """torchao's float8 training on the model's linears but its LM head."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    return convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name(recipe),
+        module_filter_fn=lambda module, fqn: fqn != "lm_head")
 
 
 def _liger_imports() -> bool:
@@ -402,7 +472,10 @@ def format_row(r: ModelRow) -> str:
             f"{_f(r.fused_gpu_ms, '11.2f'):>11}{_f(r.fused_ours_gpu_ms, '7.2f'):>7}"
             f"{_f(r.unfused_peak_mb, '12.0f'):>12}{_f(r.fused_peak_mb, '12.0f'):>12}"
             f"{r.first_forward_rel_diff:>10.1e}{_f(r.liger_ms, '10.2f'):>10}"
-            f"{_f(r.liger_peak_mb, '10.0f'):>10}" + (f"  {r.not_run}" if r.not_run else ""))
+            f"{_f(r.liger_peak_mb, '10.0f'):>10}" + (f"  {r.not_run}" if r.not_run else "") +
+            "".join(f"\n  {k + ':':<20}{_f(v['ms'], '10.2f')} ms, "
+                    f"{_f(v['vs_fused'], '.3f')}x fused, peak {_f(v['peak_mb'], '.0f')} MB"
+                    for k, v in r.fp8.items()))
 
 
 def format_table(rows: list[ModelRow], device_name: str) -> str:
