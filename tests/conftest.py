@@ -1,9 +1,9 @@
 """Shared fixtures: a fresh random seed per test (reported when the test fails, and fixable with
 FUSEDLAYERS_TEST_SEED=<seed> to reproduce), seeding torch and, as `rng`, a numpy Generator;
-thread-count restoration; TensorFlow's device (its CPU unless a test is marked cuda); and the
-one guard on the optional frameworks: TensorFlow's and Keras' tests skip where those are not
-installed, so where they are installed but do not import, the session fails instead of turning
-half the suite into skips."""
+thread-count restoration; the long tests collected first; TensorFlow's device (its CPU unless a
+test is marked cuda); and the one guard on the optional frameworks: TensorFlow's and Keras'
+tests skip where those are not installed, so where they are installed but do not import, the
+session fails instead of turning half the suite into skips."""
 
 import importlib
 import importlib.util
@@ -25,6 +25,13 @@ os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 # Two CPU devices for JAX's sharding tests: XLA reads this when JAX first starts its CPU client.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked `long` first (in their order): under pytest-xdist each long group then
+    starts on a worker of its own beside the short tests, instead of one worker running it alone
+    once the rest is done."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 def pytest_sessionstart(session):

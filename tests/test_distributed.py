@@ -39,7 +39,7 @@ LATER_RTOL = 1e-3  # train_torch.py's LOSS_RTOL (train_keras.py's is 1e-2)
 LLAMA_RTOLS = (1e-5, 5e-2)
 LLAMA_STEPS = ["--steps", "60", "--max-held-out", "inf"]
 # One worker runs the single-process references for every engine (--dist loadgroup).
-pytestmark = pytest.mark.xdist_group("examples")
+pytestmark = [pytest.mark.xdist_group("examples"), pytest.mark.long]
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]

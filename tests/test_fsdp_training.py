@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 TOLERANCE = 4  # times the accumulation run's distance from the whole-batch run
 # One worker starts the processes (--dist loadgroup), beside the examples' distributed tests.
-pytestmark = pytest.mark.xdist_group("examples")
+pytestmark = [pytest.mark.xdist_group("examples"), pytest.mark.long]
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.skipif(_sources.find_cuda_home() is None, reason="need
               pytest.mark.skipif(os.environ.get("FUSEDLAYERS_TEST_TF_GPU_BUILD") != "1",
                                  reason="builds the TensorFlow GPU library (~15 min on 2 cores): "
                                         "set FUSEDLAYERS_TEST_TF_GPU_BUILD=1 (CI does)"),
-              pytest.mark.xdist_group("tf_gpu_library")]
+              pytest.mark.xdist_group("tf_gpu_library"), pytest.mark.long]
 
 OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm",
        "FusedlayersLayerNormGrad", "FusedlayersLinearGeluEpilogue", "FusedlayersLinearGeluEpilogueGrad",
