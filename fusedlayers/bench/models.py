@@ -311,8 +311,8 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
     """Benchmarks model `name` over batches x precisions x modes; one ModelRow per case.
     `distributed`: under an initialized torch.distributed process group, each model in DDP.
     `peers`: the Llamas and the MoE in eager mode also with Liger-Kernel's patches (_liger), in
-    the same rounds, where it imports. fp8: the FP8 variants too (module docstring). precisions: default DEFAULT_PRECISIONS, else autocast and
-    bf16. adamw: "torch" (torch.optim.AdamW, fused on CUDA) or "fusedlayers" (its AdamW). layers: the decoder's layer count (default: the model's, or FLOAT32_LAYERS with float32
+    the same rounds, where it imports. fp8: the FP8 variants too (module docstring).
+    precisions: default DEFAULT_PRECISIONS, else autocast and bf16. adamw: "torch" (torch.optim.AdamW, fused on CUDA) or "fusedlayers" (its AdamW). layers: the decoder's layer count (default: the model's, or FLOAT32_LAYERS with float32
     parameters); a count other than the model's is named in the rows."""
     from ..torch import fuse
     precisions = precisions or DEFAULT_PRECISIONS.get(name, ("autocast", "bf16"))
@@ -362,6 +362,8 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                         try:
                             m, mode_k = make()
                         except Exception as e:  # noqa: BLE001 (a peer that does not convert)
+                            if k not in FALLIBLE:  # our own variants' errors are raised
+                                raise
                             not_run[k] = did_not_run(e)
                             continue
                         variants[k] = _Variant(m, dev, precision, mode_k or mode, distributed,
