@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.skipif(_sources.find_cuda_home() is None, reason="need
 
 OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm",
        "FusedlayersLayerNormGrad", "FusedlayersLinearGeluEpilogue", "FusedlayersLinearGeluEpilogueGrad",
-       "FusedlayersLinearCrossEntropyChunk", "FusedlayersGroupedGemm", "FusedlayersGroupedGemmGrad"]
+       "FusedlayersLinearCrossEntropyChunk", "FusedlayersGroupedGemm", "FusedlayersGroupedGemmGrad",
+       "FusedlayersMoePermute", "FusedlayersMoePermuteGrad", "FusedlayersMoeUnpermute",
+       "FusedlayersMoeUnpermuteGrad"]
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 // FusedlayersMoeUnpermuteGrad on csrc/moe/moe.h, which checks every argument. top_k_index is int32
 // or int64 (attribute I), row_index and offsets int32, top_k_weights float32 or x's dtype
 // (attribute W); an absent top_k_weights (unpermute) or ys (its gradient: no dweights) is an
-// empty tensor. CPU kernels and XLA kernels (the custom calls of backends/xla/moe_ffi.cc): TF keeps
-// int32 tensors of GPU ops in host memory, where the rows' indices cannot be read by CUDA
-// kernels, so outside XLA TF places these ops on the CPU; under XLA (jit_compile) they run on
-// the GPU.
+// empty tensor. CPU, GPU and XLA kernels (the custom calls of backends/xla/moe_ffi.cc). TF keeps
+// the int32 tensors of GPU ops in host memory, so the GPU kernels take every index there (int64
+// top_k_index too: one rule), route on the host and copy the indices their CUDA passes read to
+// the device on the op's stream; under XLA (jit_compile) everything stays on the device.
 #include "backends/tensorflow/tf_binding.h"
 #include "backends/tensorflow/xla_kernel.h"
 #include "moe/moe.h"
@@ -94,6 +94,21 @@ class IndexView {
   IndexRef ref_;
 };
 
+// A GPU kernel's host index as its CUDA pass reads it: a device copy in `temp`.
+template <bool kGpu>
+bool index_on_device(OpKernelContext* ctx, Tensor* temp, IndexRef* index) {
+#if GOOGLE_CUDA
+  if constexpr (kGpu) {
+    void* device = allocate_workspace(ctx, size_t(moe_index_bytes(*index)), temp);
+    if (!device) return moe_index_bytes(*index) == 0;
+    return call_csrc(ctx, [&] { *index = moe_index_to_device(*index, device, gpu_stream(ctx)); });
+  }
+#else
+  (void)ctx, (void)temp, (void)index;
+#endif
+  return true;
+}
+
 class Base : public OpKernel {
  public:
   explicit Base(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -104,6 +119,9 @@ class Base : public OpKernel {
   int64_t num_experts_ = 0;
 };
 
+// The route runs on the host (where TF keeps row_index and offsets of the GPU kernel too), the
+// scatter on the kernel's device.
+template <bool kGpu>
 class PermuteOp : public Base {
  public:
   using Base::Base;
@@ -124,16 +142,17 @@ class PermuteOp : public Base {
     scatter.out = mutable_ptr(xs);
     MoeRoute route{*idx, num_experts_, static_cast<int32_t*>(mutable_ptr(row_index)),
                    static_cast<int32_t*>(mutable_ptr(offsets))};
-    const Exec exec = exec_for<false>(ctx);
-    call_csrc(ctx, [&] {
-      moe_route(route, s, exec);
-      moe_scatter(scatter, s, exec);
-    });
+    if (!call_csrc(ctx, [&] { moe_route(route, s, exec_for<false>(ctx)); })) return;
+    Tensor idx_temp, rows_temp;
+    if (!index_on_device<kGpu>(ctx, &idx_temp, &scatter.top_k_index) ||
+        !index_on_device<kGpu>(ctx, &rows_temp, &scatter.row_index))
+      return;
+    call_csrc(ctx, [&] { moe_scatter(scatter, s, exec_for<kGpu>(ctx)); });
   }
 };
 
 // The gathers: the permute's gradient (no weights) and the unpermute.
-template <bool kUnpermute>
+template <bool kUnpermute, bool kGpu>
 class GatherOp : public Base {
  public:
   using Base::Base;
@@ -149,10 +168,19 @@ class GatherOp : public Base {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({s.tokens, s.hidden}), &out));
     a.out = mutable_ptr(out);
-    call_csrc(ctx, [&] { moe_gather(a, s, exec_for<false>(ctx)); });
+    Tensor idx_temp, rows_temp;
+    if (!index_on_device<kGpu>(ctx, &idx_temp, &a.top_k_index) ||
+        !index_on_device<kGpu>(ctx, &rows_temp, &a.row_index))
+      return;
+    call_csrc(ctx, [&] { moe_gather(a, s, exec_for<kGpu>(ctx)); });
   }
 };
+template <bool kGpu>
+using PermuteGradOp = GatherOp<false, kGpu>;
+template <bool kGpu>
+using UnpermuteOp = GatherOp<true, kGpu>;
 
+template <bool kGpu>
 class UnpermuteGradOp : public Base {
  public:
   using Base::Base;
@@ -171,7 +199,11 @@ class UnpermuteGradOp : public Base {
                                              &dweights));
     a.out = mutable_ptr(dys);
     a.dweights = dots ? mutable_ptr(dweights) : nullptr;
-    call_csrc(ctx, [&] { moe_scatter(a, s, exec_for<false>(ctx)); });
+    Tensor idx_temp, rows_temp;
+    if (!index_on_device<kGpu>(ctx, &idx_temp, &a.top_k_index) ||
+        !index_on_device<kGpu>(ctx, &rows_temp, &a.row_index))
+      return;
+    call_csrc(ctx, [&] { moe_scatter(a, s, exec_for<kGpu>(ctx)); });
   }
 };
 
@@ -244,13 +276,37 @@ class UnpermuteGradXla : public XlaCustomCallOp {
 };
 
 REGISTER_KERNEL_BUILDER(Name("FusedlayersMoePermute").Device(::tensorflow::DEVICE_CPU),
-                        PermuteOp);
+                        PermuteOp<false>);
 REGISTER_KERNEL_BUILDER(Name("FusedlayersMoePermuteGrad").Device(::tensorflow::DEVICE_CPU),
-                        GatherOp<false>);
+                        PermuteGradOp<false>);
 REGISTER_KERNEL_BUILDER(Name("FusedlayersMoeUnpermute").Device(::tensorflow::DEVICE_CPU),
-                        GatherOp<true>);
+                        UnpermuteOp<false>);
 REGISTER_KERNEL_BUILDER(Name("FusedlayersMoeUnpermuteGrad").Device(::tensorflow::DEVICE_CPU),
-                        UnpermuteGradOp);
+                        UnpermuteGradOp<false>);
+#if GOOGLE_CUDA
+// float64 stays on the CPU kernels (csrc's CUDA passes take float32, float16, bfloat16).
+#define FUSEDLAYERS_MOE_GPU(T)                                                                  \
+  REGISTER_KERNEL_BUILDER(Name("FusedlayersMoePermute").Device(::tensorflow::DEVICE_GPU)       \
+                              .TypeConstraint<T>("T").HostMemory("top_k_index")                \
+                              .HostMemory("row_index").HostMemory("offsets"),                  \
+                          PermuteOp<true>);                                                     \
+  REGISTER_KERNEL_BUILDER(Name("FusedlayersMoePermuteGrad").Device(::tensorflow::DEVICE_GPU)   \
+                              .TypeConstraint<T>("T").HostMemory("top_k_index")                \
+                              .HostMemory("row_index"),                                        \
+                          PermuteGradOp<true>);                                                 \
+  REGISTER_KERNEL_BUILDER(Name("FusedlayersMoeUnpermute").Device(::tensorflow::DEVICE_GPU)     \
+                              .TypeConstraint<T>("T").HostMemory("top_k_index")                \
+                              .HostMemory("row_index"),                                        \
+                          UnpermuteOp<true>);                                                   \
+  REGISTER_KERNEL_BUILDER(Name("FusedlayersMoeUnpermuteGrad").Device(::tensorflow::DEVICE_GPU) \
+                              .TypeConstraint<T>("T").HostMemory("top_k_index")                \
+                              .HostMemory("row_index"),                                        \
+                          UnpermuteGradOp<true>)
+FUSEDLAYERS_MOE_GPU(float);
+FUSEDLAYERS_MOE_GPU(Eigen::half);
+FUSEDLAYERS_MOE_GPU(::tensorflow::bfloat16);
+#undef FUSEDLAYERS_MOE_GPU
+#endif
 FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersMoePermute", PermuteXla);
 FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersMoePermuteGrad", GatherXla<false>);
 FUSEDLAYERS_REGISTER_XLA_KERNEL("FusedlayersMoeUnpermute", GatherXla<true>);

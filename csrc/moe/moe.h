@@ -99,6 +99,14 @@ void moe_route(const MoeRoute& a, const MoeShape& s, const Exec& exec);
 void moe_scatter(const MoeScatter& a, const MoeShape& s, const Exec& exec);
 void moe_gather(const MoeGather& a, const MoeShape& s, const Exec& exec);
 
+// Bindings whose framework keeps a GPU op's integer tensors in host memory (TensorFlow) route on
+// the host (moe_route with a CPU Exec) and copy the indices the CUDA passes read to the device:
+// moe_index_to_device enqueues the copy of `host` into `device` (moe_index_bytes(host) bytes) on
+// `stream`, staged through pageable memory so that `host` may be reused once it returns, and
+// returns the device view.
+int64_t moe_index_bytes(const IndexRef& index);
+IndexRef moe_index_to_device(const IndexRef& host, void* device, cudaStream_t stream);
+
 void moe_route_cpu(const MoeRoute& a, const MoeShape& s);
 void moe_scatter_cpu(const MoeScatter& a, const MoeShape& s, const ParallelFor& parallel_for);
 void moe_gather_cpu(const MoeGather& a, const MoeShape& s, const ParallelFor& parallel_for);

@@ -9,6 +9,7 @@
 // same on every run. The scatter and gather are one block per token, in 16-byte vectors where H
 // and the pointers allow.
 #include <algorithm>
+#include <vector>
 
 #include <cub/device/device_scan.cuh>
 
@@ -304,6 +305,20 @@ void moe_gather_cuda(const MoeGather& a, const MoeShape& s, cudaStream_t stream)
                   else
                     launch(gather_kernel<T, W, I, N, false>);
                 });
+}
+
+IndexRef moe_index_to_device(const IndexRef& host, void* device, cudaStream_t stream) {
+  const int64_t bytes = moe_index_bytes(host);
+  if (bytes == 0) return host;
+  // From pageable memory cudaMemcpyAsync returns once it has staged the source, which a pinned
+  // host tensor (TF's GPU-compatible host allocator) would not guarantee.
+  const char* src = static_cast<const char*>(host.data);
+  const std::vector<char> staged(src, src + bytes);
+  cuda::check(cudaMemcpyAsync(device, staged.data(), size_t(bytes), cudaMemcpyHostToDevice, stream),
+              "moe: copying an index to the device");
+  IndexRef out = host;
+  out.data = device;
+  return out;
 }
 
 }  // namespace fusedlayers

@@ -96,6 +96,10 @@ MoeShape moe_gather_check(const char* op, const MoeGather& a) {
   return s;
 }
 
+int64_t moe_index_bytes(const IndexRef& index) {
+  return index.sizes.numel() * (index.type == IndexType::kInt32 ? 4 : 8);
+}
+
 size_t moe_route_workspace_size(const MoeShape& s, const Exec& exec) {
   return FUSEDLAYERS_ON_DEVICE(exec, size_t(0), moe_route_workspace_size_cuda(s));
 }

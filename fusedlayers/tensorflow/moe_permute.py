@@ -1,7 +1,8 @@
 """moe_permute on TensorFlow tensors: the FusedlayersMoePermute op (backends/tensorflow/moe.cc)
 and its gradient. Same contract as fusedlayers.torch.moe_permute; csrc/moe/moe.h checks the arguments
-(InvalidArgumentError). Outside XLA the op runs on the CPU (TF keeps int32 tensors of GPU ops in
-host memory); under jit_compile, on XLA's device."""
+(InvalidArgumentError). On TF's GPU outside XLA the rows move on the GPU and the route runs on the
+host, where TF keeps the int32 tensors of GPU ops (top_k_index, row_index and offsets live in host
+memory); under jit_compile everything runs on XLA's device."""
 
 import math
 
