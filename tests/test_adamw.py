@@ -1,7 +1,8 @@
 """fusedlayers.torch.AdamW against torch.optim.AdamW (float64, every option), against a float64
 reference with the stored values rounded to their dtypes (16-bit parameters, master weights,
 16-bit moments), state_dict round trips both ways, AMP's grad_scale / found_inf, gradient-norm
-clipping, the errors, CUDA graph capture, FSDP2 on two gloo processes and HSDP on four."""
+clipping, the errors, CUDA graph capture, FSDP2 on two processes and HSDP on four (gloo, and NCCL
+where there are as many GPUs)."""
 
 import copy
 import math
@@ -406,16 +407,21 @@ FSDP_SCRIPT = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from fusedlayers.torch import AdamW
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
+    device_type = sys.argv[3]  # cpu (gloo, also where CUDA is present) or cuda (NCCL)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", dist.get_rank())
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False
     def model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+        return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(),
+                                   torch.nn.Linear(33, 5)).to(device)
     ours, ref = model(), model()
-    # FSDP2 over (2,), HSDP over (2, 2): replicated over the first dim, sharded over the second;
-    # on the CPU also where CUDA is present
+    # FSDP2 over (2,), HSDP over (2, 2): replicated over the first dim, sharded over the second
     shape = tuple(map(int, sys.argv[2].split("x")))
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     for m in (ours, ref):
         for layer in m:
             if isinstance(layer, torch.nn.Linear):
@@ -423,7 +429,7 @@ FSDP_SCRIPT = textwrap.dedent("""
         fully_shard(m, mesh=mesh)
     a = AdamW(ours.parameters(), lr=1e-2, max_grad_norm=0.1)
     b = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     for _ in range(3):
         ours(x).square().mean().backward()
         ref(x).square().mean().backward()
@@ -441,8 +447,9 @@ FSDP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("mesh", ["2", "2x2"], ids=["fsdp2", "hsdp"])
-def test_fsdp2_processes(mesh, tmp_path):
+def test_fsdp2_processes(mesh, device, tmp_path):
     """max_grad_norm's norm and the update under FSDP2 (two processes) and HSDP (four: two
     replicas of two shards, where the sums of squares add over the shards only) as
     torch.optim.AdamW's after clip_grad_norm_ on the same sharded model."""
@@ -451,8 +458,11 @@ def test_fsdp2_processes(mesh, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     procs = math.prod(map(int, mesh.split("x")))
+    if device == "cuda" and torch.cuda.device_count() < procs:
+        pytest.skip(f"needs {procs} CUDA devices")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", str(procs), str(script), str(tmp_path), mesh],
+                             "--nproc-per-node", str(procs), str(script), str(tmp_path), mesh,
+                             device],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert all((tmp_path / f"ok{r}").exists() for r in range(procs))  # every rank got there

@@ -1,12 +1,12 @@
 """A fused Hugging Face Llama and a fused Qwen3-MoE trained under FSDP2 with
 fusedlayers.torch.AdamW (bfloat16 parameters, float32 master weights, max_grad_norm clipping)
-on two processes (gloo on the CPU, NCCL on two GPUs) against one process on the same global
-batches: the per-step losses, the gradient norms the optimizer clips by, and the parameters
-after STEPS steps.
+on two processes (gloo on the CPU, NCCL on two GPUs), and under HSDP (a 2 x 2 mesh: two replicas
+of two shards) on four GPUs, against one process on the same global batches: the per-step
+losses, the gradient norms the optimizer clips by, and the parameters after STEPS steps.
 
 The bound is calibrated in the same test, not fixed: a second one-process run takes each global
-batch as two micro-batches (the two processes' halves) with gradient accumulation, which is
-FSDP's arithmetic (each half's gradient in bfloat16, then their sum) without the engine. Its
+batch as one micro-batch per process (the processes' shares) with gradient accumulation, which
+is FSDP's arithmetic (each share's gradient in bfloat16, then their sum) without the engine. Its
 distance from the whole-batch run is how far rounding alone moves these trainings; the FSDP run
 must be within TOLERANCE times that of the whole-batch run. A norm summed over one process's
 shard only (or over HSDP's replicas too) is off by ~30% in every step, far outside it."""
@@ -28,6 +28,10 @@ pytestmark = [pytest.mark.xdist_group("examples"), pytest.mark.long]
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]
+# (mode, processes): HSDP on four GPUs only (test_adamw.py clips under HSDP on four gloo processes)
+MESHES = [pytest.param(("fsdp", 2), id="fsdp2"), pytest.param(("hsdp", 4), id="hsdp", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")])]
 
 SCRIPT = r'''
 import json, os, sys
@@ -35,8 +39,8 @@ import torch, torch.distributed as dist, transformers
 from fusedlayers.torch import AdamW, fuse
 
 model, device_type, mode, out = sys.argv[1:5]
-steps, batch, seq = int(sys.argv[5]), 8, 128
-fsdp = mode == "fsdp"
+steps, parts, batch, seq = int(sys.argv[5]), int(sys.argv[6]), 8, 128
+fsdp = mode in ("fsdp", "hsdp")
 if fsdp:
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
 rank, world = (dist.get_rank(), dist.get_world_size()) if fsdp else (0, 1)
@@ -58,7 +62,10 @@ lm = lm.to(device, torch.bfloat16)  # the masters start from the bfloat16 weight
 if fsdp:  # on the CPU also where CUDA is present
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh(device.type, (world,))
+    # HSDP: replicated over the first dim, sharded over the second
+    shape = (2, world // 2) if mode == "hsdp" else (world,)
+    mesh = init_device_mesh(device.type, shape,
+                            mesh_dim_names=("replicate", "shard")[-len(shape):])
     for layer in lm.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(lm, mesh=mesh)
@@ -73,9 +80,10 @@ for _ in range(steps):
     labels[:, :4] = -100  # a masked prompt
     items = (labels[:, 1:] != -100).sum()  # the global batch's counted tokens
     share = slice(rank * batch // world, (rank + 1) * batch // world)
-    parts = [share] if mode != "accum" else [slice(0, batch // 2), slice(batch // 2, batch)]
+    micro = [share] if mode != "accum" else [
+        slice(i * batch // parts, (i + 1) * batch // parts) for i in range(parts)]
     total = torch.zeros((), device=device)
-    for part in parts:
+    for part in micro:
         loss = lm(input_ids=ids[part], labels=labels[part], num_items_in_batch=items).loss
         (loss * world).backward()  # FSDP averages the processes' gradients
         total += loss.detach().float()
@@ -96,15 +104,19 @@ if fsdp:
 '''
 
 
-def _train(tmp_path: Path, model: str, device: str, mode: str) -> dict:
+def _train(tmp_path: Path, model: str, device: str, mode: str, procs: int) -> dict:
+    """mode single (one process, whole batches), accum (one process, `procs` micro-batches),
+    fsdp or hsdp (`procs` processes)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out = str(tmp_path / f"{model}-{mode}")
     launcher = [sys.executable, *(["-m", "torch.distributed.run", "--standalone",
-                                   "--nproc-per-node", "2"] if mode == "fsdp" else [])]
+                                   "--nproc-per-node", str(procs)]
+                                  if mode in ("fsdp", "hsdp") else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run([*launcher, str(script), model, device, mode, out, str(STEPS)],
+    result = subprocess.run([*launcher, str(script), model, device, mode, out, str(STEPS),
+                             str(procs)],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, f"{mode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     run = json.load(open(out + ".json"))
@@ -121,17 +133,21 @@ def _distance(a: dict, b: dict) -> dict:
             "params": ((a["params"] - b["params"]).norm() / b["params"].norm()).item()}
 
 
+@pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
-def test_fsdp2_trains_like_one_process(model, device, tmp_path):
-    whole = _train(tmp_path, model, device, "single")
-    accum = _train(tmp_path, model, device, "accum")
-    fsdp = _train(tmp_path, model, device, "fsdp")
+def test_fsdp2_trains_like_one_process(model, device, mesh, tmp_path):
+    mode, procs = mesh
+    if mode == "hsdp" and device == "cpu":
+        pytest.skip("HSDP trains on four GPUs here (on the CPU: test_adamw.py's clipping)")
+    whole = _train(tmp_path, model, device, "single", 1)
+    accum = _train(tmp_path, model, device, "accum", procs)
+    fsdp = _train(tmp_path, model, device, mode, procs)
     assert whole["losses"][-1] < whole["losses"][0]  # it trains
     assert max(whole["grad_norms"]) > 0.5  # the clipping is on
     rounding = _distance(accum, whole)
     got = _distance(fsdp, whole)
-    print(f"{model} on {device}: FSDP2 {got}, accumulation {rounding}")
+    print(f"{model} on {device}: {mode} {got}, accumulation {rounding}")
     for key, d in got.items():
         # a floor of float32's rounding where the two one-process runs happen to agree
         assert d <= TOLERANCE * max(rounding[key], 1e-6), (key, got, rounding)
