@@ -40,11 +40,12 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
               f"kernels ({why})")
     include = Path(tf.sysconfig.get_include())
     # The XLA kernels' headers (tf2xla) include highwayhash and farmhash from TF's own copies;
-    # FUSEDLAYERS_XLA_TF registers the XLA FFI handlers with TF's XLA.
+    # FUSEDLAYERS_XLA_TF registers the XLA FFI handlers with TF's XLA. NDEBUG as TF's own release
+    # build: its headers' debug checks call absl logging that TF 2.20 does not export.
     cflags = ["-Wno-deprecated-declarations", "-Wno-interference-size",
               *tf.sysconfig.get_compile_flags(), f"-I{include / 'external/highwayhash'}",
               f"-I{include / 'external/farmhash_archive/src'}", "-DFUSEDLAYERS_XLA_TF",
-              "-std=c++17", *(["-DGOOGLE_CUDA=1"] if cuda else [])]
+              "-std=c++17", "-DNDEBUG", *(["-DGOOGLE_CUDA=1"] if cuda else [])]
     archive = _sources.csrc_archive(cuda, _sources.sm90_wanted(cuda), gemm=False,
                                     abi=_cxx11_abi(tf.sysconfig.get_compile_flags()),
                                     archs=_archs(), verbose=verbose)
