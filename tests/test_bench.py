@@ -33,6 +33,23 @@ def test_run_reports_each_pass_and_impl_of_the_chosen_ops():
     assert all(r.pct_of_peak <= 100 for r in rows if r.impl == "copy")
 
 
+def test_cpu_precompile_fills_inductors_caches_from_two_processes(tmp_path):
+    """Each case precompile compiles (here and in its second process) is then compiled by the
+    timed run from Inductor's caches: FX graph cache hits only, no misses."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    shape = fl_ops.OPS[0].bench_shapes["cpu"][0]
+    cases = [(fl_ops.OPS[0].name, shape, dtype) for dtype in ("float32", "bfloat16")]
+    with temporary_cache_dir(str(tmp_path / "inductor")):
+        bench.precompile(cases, peers=False)
+        counters.clear()
+        claims = tmp_path / "claims"
+        claims.mkdir()
+        bench._compile_cases(json.dumps({"cases": cases, "peers": False, "claims": str(claims)}))
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 2 * len(cases)
+
+
 def _row(impl, rounds, rate=1.0, pass_="fwd", op="layer_norm"):
     return table.Row(op, "8x8", "float32", pass_, impl, statistics.median(rounds), rate, "GB/s",
                      0.0, list(rounds))

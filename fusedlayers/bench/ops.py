@@ -20,7 +20,10 @@ with CUDA events (triton.testing.do_bench when present), so the numbers are the 
 Python's launch overhead; a variant that cannot be captured is timed directly. On the CPU: the
 wall clock around synchronous calls, one call of each variant in turn after untimed rounds, with
 glibc's malloc keeping freed memory (keep_freed_memory), so that rows time the kernels and not
-page faults of memory the allocator gave back.
+page faults of memory the allocator gave back. The CPU's torch.compile rows are compiled before
+any row is timed, by this process and a second one at once (precompile): the timed run loads
+them from Inductor's on-disk caches, and the compiles, mostly single-threaded, take about half
+the time.
 
 With peers (`--peers`, CUDA), other libraries' kernels for the same call join the rows where
 they import: Liger-Kernel's Triton LayerNorm and RMSNorm (liger_kernel.ops, its defaults:
@@ -29,7 +32,12 @@ RMSNorm's "llama" casting, backward in place), and QuACK's RMSNorm (`quack.rmsno
 
 import ctypes
 import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -82,8 +90,10 @@ def _cuda_ms(fn, reps: int) -> float:
 
 # On the CPU: untimed rounds first (the heap grows to what every variant needs before any call
 # is timed), then rounds of about CPU_ROUND_MS of calls of each variant (at least one), as on
-# CUDA, unless `reps` fixes the calls per round.
+# CUDA, unless `reps` fixes the calls per round; under --quick, QUICK_WARMUP_ROUNDS and
+# QUICK_ROUND_MS.
 CPU_WARMUP_ROUNDS, CPU_ROUND_MS = 2, 20
+QUICK_WARMUP_ROUNDS, QUICK_ROUND_MS = 1, 10
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
@@ -106,15 +116,16 @@ def keep_freed_memory() -> bool:
 
 
 def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int | None = None,
-                uncaptured=frozenset(), fallible=frozenset()) -> dict:
+                uncaptured=frozenset(), fallible=frozenset(), quick: bool = False) -> dict:
     """Each of fns timed in `rounds` interleaved rounds: name -> each round's ms, or, for a fn
     whose warm-up raised (out of memory; any error of a fn in `fallible`: other libraries'
-    calls, torch.compile of the unfused computation), why it did not run (table.did_not_run). In a round every fn is timed once after the other: on
-    CUDA the median of its calls over CUDA_ROUND_MS (reps CUDA-event timed calls without
-    triton); on the CPU its calls, one of each fn in turn, `reps` of them or as many as fill
-    CPU_ROUND_MS (at least one), after CPU_WARMUP_ROUNDS untimed ones: the round's median (a
-    floor's, FLOORS of any framework: its fastest call, as a floor bounds the others and a
-    shared host's noise moves a median by more than a GEMM's epilogue costs). On CUDA every fn
+    calls, torch.compile of the unfused computation), why it did not run (table.did_not_run).
+    In a round every fn is timed once after the other: on CUDA the median of its calls over
+    CUDA_ROUND_MS (reps CUDA-event timed calls without triton); on the CPU its calls, one of
+    each fn in turn, `reps` of them or as many as fill CPU_ROUND_MS (at least one), after
+    CPU_WARMUP_ROUNDS untimed ones (QUICK_* with quick): the round's median (a floor's, FLOORS
+    of any framework: its fastest call, as a floor bounds the others and a shared host's noise
+    moves a median by more than a GEMM's epilogue costs). On CUDA every fn
     but those in `uncaptured` (and the copy) is timed as the replay of its CUDA graph.
     Interleaving makes a host whose speed drifts (shared cores, clock changes) slow every fn
     alike instead of whichever ran in a slow spell."""
@@ -123,11 +134,12 @@ def time_rounds(fns: dict, device: torch.device, rounds: int, reps: int | None =
         try:
             if device.type != "cuda":
                 per_call = []
-                for _ in range(CPU_WARMUP_ROUNDS):
+                for _ in range(QUICK_WARMUP_ROUNDS if quick else CPU_WARMUP_ROUNDS):
                     t0 = time.perf_counter()
                     fn()
                     per_call.append((time.perf_counter() - t0) * 1e3)
-                calls = reps or max(1, round(CPU_ROUND_MS / min(per_call)))
+                budget = QUICK_ROUND_MS if quick else CPU_ROUND_MS
+                calls = reps or max(1, round(budget / min(per_call)))
                 ready[name] = (fn, calls)
             # Like copy_bandwidth_gbs, the copy is not graphed (a memcpy node is slower).
             elif name == "copy" or name in uncaptured:
@@ -230,6 +242,10 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
     dev = torch.device(device)
     if dev.type == "cpu":
         keep_freed_memory()
+        if compile:
+            precompile([(op.name, shape, dtype_name) for dtype_name in dtypes for op in ops.OPS
+                        if op.name in op_names for shape in shapes("cpu", quick)[op.name]],
+                       peers)
     ceilings = {"copy_gbs": copy_bandwidth_gbs(dev, rounds, reps)}
     rows = []
     for dtype_name in dtypes:
@@ -241,7 +257,7 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
             for shape in shapes(dev.type, quick)[op.name]:
                 case = ops.module(op, "torch").bench_case(shape, dtype, dev, peers)
                 rows += _case_rows(op, shape_name(shape), dtype_name, case, dev, compile,
-                                   rounds, reps, ceilings)
+                                   rounds, reps, ceilings, quick)
                 del case
                 _release(dev)
                 if on_rows:
@@ -251,6 +267,64 @@ def run(device: str = "cpu", dtypes=("float32", "bfloat16"), quick: bool = False
             if on_rows:
                 on_rows(rows, ceilings)
     return rows, ceilings
+
+
+def precompile(cases: list, peers: bool) -> None:
+    """Compiles torch.compile's rows of the CPU cases (op name, shape, dtype name), both passes,
+    as _case_rows will run them, into Inductor's on-disk caches (its FX graph and AOTAutograd
+    caches), in two processes at once: this one takes the cases from the first on, a second
+    one (started with this one's thread count) from the last back, each claiming a case before
+    compiling it, until they meet; each compiles in its own process (Inductor's compile_threads
+    1, which its caches' keys leave out: no pool of compile workers beside the two). Nothing is
+    timed meanwhile. Where those caches are off, the timed run compiles each case itself."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    if not (inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache):
+        return
+    with tempfile.TemporaryDirectory() as claims:
+        spec = {"cases": cases, "peers": peers, "claims": claims}
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from fusedlayers.bench.ops import _compile_cases; "
+             "_compile_cases(sys.argv[1])",
+             json.dumps({**spec, "reverse": True, "threads": torch.get_num_threads()})],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+        try:
+            with inductor_config.patch(compile_threads=1):
+                _compile_cases(json.dumps(spec))
+        finally:
+            child.wait()
+
+
+def _compile_cases(spec: str) -> None:
+    """precompile's work: each case not claimed yet (in order, or from the last with
+    "reverse"), claimed by creating its file in "claims", its unfused computation compiled and
+    run once per pass (a compile that fails is left to the timed run, which reports it)."""
+    spec = json.loads(spec)
+    if "threads" in spec:
+        torch.set_num_threads(spec["threads"])
+    cpu = torch.device("cpu")
+    by_name = {op.name: op for op in ops.OPS}
+    order = list(enumerate(spec["cases"]))
+    for i, (name, shape, dtype_name) in reversed(order) if spec.get("reverse") else order:
+        try:
+            os.close(os.open(os.path.join(spec["claims"], str(i)), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return  # the other process compiles this one and those beyond it
+        case = ops.module(by_name[name], "torch").bench_case(
+            tuple(shape), getattr(torch, dtype_name), cpu, spec["peers"])
+        for pass_ in ("fwd", "fwd+bwd"):
+            torch._dynamo.reset()
+            fn = torch.compile(case.eager)
+            try:
+                if pass_ == "fwd":
+                    torch.no_grad()(fn)()
+                else:
+                    _fwd_bwd(fn, list(case.inputs))()
+            except Exception:  # noqa: BLE001 (the timed run reports it)
+                pass
+        del case
+        _release(cpu)
 
 
 def _release(dev: torch.device) -> None:
@@ -265,7 +339,7 @@ def _release(dev: torch.device) -> None:
 
 
 def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile: bool,
-               rounds: int, reps: int, ceilings: dict) -> list:
+               rounds: int, reps: int, ceilings: dict, quick: bool) -> list:
     rows = []
     for pass_ in ("fwd", "fwd+bwd"):
         impls = {"fused": case.fused, "eager": case.eager, **case.variants,
@@ -284,7 +358,8 @@ def _case_rows(op, shape: str, dtype_name: str, case, dev: torch.device, compile
             if pass_ == "fwd":
                 timed[impl] = torch.no_grad()(timed[impl])
         for impl, ms in time_rounds(timed, dev, rounds, reps, case.uncaptured,
-                                    fallible={*case.uncaptured, "compile"}).items():
+                                    fallible={*case.uncaptured, "compile"},
+                                    quick=quick).items():
             rows.append(row(op, shape, dtype_name, pass_, impl, ms, case.work[pass_],
                             ceilings))
             if not rows[-1].not_run:
@@ -314,7 +389,8 @@ def _tensorflow_rows(quick: bool, dtype_name: str, op_names, rounds: int, reps: 
             work, impls = tensorflow_ops.case(op, shape, dtype_name)
             for pass_ in ("fwd", "fwd+bwd"):
                 timed = {impl: passes[pass_] for impl, passes in impls.items() if pass_ in passes}
-                for impl, ms in time_rounds(timed, torch.device("cpu"), rounds, reps).items():
+                for impl, ms in time_rounds(timed, torch.device("cpu"), rounds, reps,
+                                            quick=quick).items():
                     rows.append(row(op, shape_name(shape), dtype_name, pass_, impl, ms,
                                      work[pass_], ceilings))
     return rows
