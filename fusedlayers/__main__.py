@@ -173,7 +173,9 @@ def bench(argv: list[str]) -> int:
                              "torch._scaled_mm) and two Llama-3-8B MLP blocks (beside bf16 and, "
                              "with --peers, torchao's float8) (fusedlayers.bench.fp8*); with "
                              "--model, the model also as fuse(model, fp8=) with each recipe "
-                             "(and, with --peers, torchao's float8, compiled)")
+                             "(and, with --peers, torchao's float8, compiled); with "
+                             "--framework jax, fusedlayers.jax's FP8 ops beside XLA's bf16 "
+                             "(fusedlayers.bench.jax_fp8)")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
         "for a 12-block MLP stack and the --model models (fusedlayers.bench.memory)")
@@ -186,6 +188,12 @@ def bench(argv: list[str]) -> int:
     if args.optimizer:
         return _bench_optimizer(args)
     if args.fp8 and not args.model:
+        if args.framework == "jax":
+            from fusedlayers.bench import jax_fp8
+            import jax
+            print(f"device: {jax.devices()[0].device_kind}\n", flush=True)
+            jax_fp8.run(rounds=args.rounds, log=lambda line: print(line, flush=True))
+            return 0
         return _bench_fp8(args)
     if args.framework == "tensorflow":
         if args.model or args.memory:

@@ -83,3 +83,23 @@ def grouped_gemm_workspace_size(lib, rows: int, k: int, n: int, groups: int, dty
     fn.restype = ctypes.c_size_t
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     return int(fn(rows, k, n, groups, dtype))
+
+
+def fp8_scale_sizes(lib, scaling: str, rows: int, cols: int, transposed: bool) -> tuple:
+    """csrc's scale_inv storage (dim0, dim1, ld) for `scaling` of rows x cols values, or of
+    their transpose (fusedlayers_xla_fp8_scale_sizes: fp8_scale_sizes of csrc/fp8/fp8.h)."""
+    fn = lib.fusedlayers_xla_fp8_scale_sizes
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_bool,
+                   ctypes.POINTER(ctypes.c_int64)]
+    out = (ctypes.c_int64 * 3)()
+    if fn(scaling.encode(), rows, cols, transposed, out):
+        raise ValueError(f"fusedlayers: no FP8 scaling {scaling!r}")
+    return tuple(out)
+
+
+def fp8_gemm_workspace_size(lib) -> int:
+    """The bytes of fp8_gemm's workspace result: cuBLASLt's on CUDA, 0 in builds without CUDA."""
+    fn = lib.fusedlayers_xla_fp8_gemm_workspace_size
+    fn.restype, fn.argtypes = ctypes.c_size_t, []
+    return int(fn())

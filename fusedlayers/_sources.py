@@ -54,12 +54,14 @@ CUDA_LIBRARIES = ("cublasLt",)
 # Ampere and Hopper, when TORCH_CUDA_ARCH_LIST is unset (a GPU-less host cannot detect one).
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 # csrc's cuBLASLt GEMMs, the whole linear_gelu op (its passes call the framework's GEMMs on the
-# CPU and cuBLASLt on CUDA), the FP8 GEMM op and the XLA handlers on cuBLASLt (linear_gelu's, linear_cross_entropy's
-# whole chunk loop): the torch extension and the JAX library's CUDA build have them. TF runs its
-# own matmuls around csrc's passes, so the TF op library needs no cuBLAS.
+# CPU and cuBLASLt on CUDA), the FP8 GEMM op and the XLA handlers on them (fp8_gemm's,
+# linear_gelu's, linear_cross_entropy's whole chunk loop): the torch extension and the JAX library
+# have them. TF runs its own matmuls around csrc's passes, so the TF op library needs no cuBLAS.
 GEMM_SOURCES = {"cublaslt_cuda.cu", "linear_gelu_op.cpp", "linear_gelu_cuda.cu",
-                "fp8_gemm_op.cpp", "fp8_gemm_cuda.cu",
+                "fp8_gemm_op.cpp", "fp8_gemm_cuda.cu", "fp8_gemm_ffi.cc",
                 "linear_gelu_cublaslt_ffi.cc", "linear_cross_entropy_cublaslt_ffi.cc"}
+# The XLA handlers that exist for CUDA alone (the JAX library's CUDA build).
+CUDA_HANDLERS = {"linear_gelu_cublaslt_ffi.cc", "linear_cross_entropy_cublaslt_ffi.cc"}
 # The grouped GEMM's Hopper kernels (CUTLASS's sm90 ptr-array grouped GEMM): compiled for sm_90a
 # alone (wgmma, TMA), with CUTLASS's headers, where the archs include 9.0 and the headers are
 # found (sm90_build); every object of that build gets SM90_DEFINE. -DNDEBUG: CUTLASS's device
@@ -193,9 +195,9 @@ def tensorflow_sources(root: Path = ROOT) -> list[Path]:
 
 
 def xla_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
-    """The XLA FFI handlers of the JAX library (the cuBLASLt ones, GEMM_SOURCES, with `cuda`)."""
+    """The XLA FFI handlers of the JAX library (the CUDA-only ones, CUDA_HANDLERS, with `cuda`)."""
     return sorted(p for p in root.glob("backends/xla/*.cc")
-                  if cuda or p.name not in GEMM_SOURCES)
+                  if cuda or p.name not in CUDA_HANDLERS)
 
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 
+#include "gemm/cublaslt.h"
 #include "util/common.h"
 #include "xla/ffi/api/ffi.h"
 #ifdef FUSEDLAYERS_XLA_TF
@@ -148,6 +149,24 @@ class Device {
   Exec exec_;
   std::unique_ptr<char, Free> host_;
 };
+
+// cuBLASLt's context for a pass on CUDA: csrc's handle, the `workspace` result's bytes from
+// `offset` on (kCublasLtWorkspaceBytes of them, or an Error), XLA's stream. An empty context on
+// the CPU and in builds without CUDA, where no pass calls cuBLASLt.
+inline LtContext lt_context(const Device& device, Out& workspace, size_t offset) {
+#ifdef FUSEDLAYERS_WITH_CUDA
+  if (!device.exec().cuda) return {};
+  const size_t bytes = workspace->size_bytes();
+  if (bytes < offset + kCublasLtWorkspaceBytes)
+    fail("the workspace result holds " + std::to_string(bytes) + " bytes, the pass needs " +
+         std::to_string(offset + kCublasLtWorkspaceBytes));
+  return {cublaslt_handle(), static_cast<char*>(data(workspace)) + offset,
+          kCublasLtWorkspaceBytes, device.exec().stream};
+#else
+  (void)device, (void)workspace, (void)offset;
+  return {};
+#endif
+}
 
 // Runs a csrc call: its Error becomes an ffi::Error with csrc's text.
 template <typename Fn>

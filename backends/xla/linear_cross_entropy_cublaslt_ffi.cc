@@ -40,12 +40,8 @@ ffi::Error run(Device& device, AnyBuffer input, AnyBuffer weight, AnyBuffer bias
     a.loss = data(loss);
     const LinearCrossEntropySizes s = linear_cross_entropy_check(a);
     const size_t own = aligned(linear_cross_entropy_workspace_size(a, s));
-    if (workspace->size_bytes() < own + kCublasLtWorkspaceBytes)
-      fail("the workspace result holds " + std::to_string(workspace->size_bytes()) +
-           " bytes, the op needs " + std::to_string(own + kCublasLtWorkspaceBytes));
+    const LtContext lt = lt_context(device, workspace, own);
     a.workspace = data(workspace);
-    const LtContext lt{cublaslt_handle(), static_cast<char*>(data(workspace)) + own,
-                       kCublasLtWorkspaceBytes, device.exec().stream};
     linear_cross_entropy(a, s, device.exec(), cublaslt_gemm(lt, kOp));
   });
 }

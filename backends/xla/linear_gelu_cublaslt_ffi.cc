@@ -25,15 +25,6 @@ TensorRef weight_ref(const AnyBuffer& weight, bool in_out, int64_t (&sizes)[2]) 
   return w;
 }
 
-LtContext lt_context(const Device& device, Out& workspace, size_t offset) {
-  const size_t bytes = workspace->size_bytes();
-  if (bytes < offset + kCublasLtWorkspaceBytes)
-    fail("the workspace result holds " + std::to_string(bytes) + " bytes, the pass needs " +
-         std::to_string(offset + kCublasLtWorkspaceBytes));
-  return {cublaslt_handle(), static_cast<char*>(data(workspace)) + offset,
-          kCublasLtWorkspaceBytes, device.exec().stream};
-}
-
 ffi::Error forward(Device& device, AnyBuffer x, AnyBuffer weight, AnyBuffer bias, Out pre, Out y,
                    Out workspace, bool has_bias, bool in_out, std::string_view approximate,
                    bool with_pre) {

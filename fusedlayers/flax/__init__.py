@@ -2,5 +2,6 @@
 defaults and parameters), on fusedlayers.jax's ops, for the ops that have one (fusedlayers.ops)."""
 
 from .. import ops as _ops
+from .fp8_linear import Fp8Linear  # the FP8 ops are not in the op table
 
-__all__ = _ops.export(__name__, globals(), "flax", optional=True)
+__all__ = ["Fp8Linear", *_ops.export(__name__, globals(), "flax", optional=True)]

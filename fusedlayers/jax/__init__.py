@@ -18,7 +18,11 @@ def export_safety_checks() -> list:
     return [jax.export.DisabledSafetyCheck.custom_call(f"fusedlayers_{t}") for t in _TARGETS]
 
 
+from .fp8 import Fp8Quantized, fp8_quantize  # noqa: E402  (the FP8 ops are not in the op table)
+from .fp8_gemm import fp8_gemm  # noqa: E402
+from .fp8_linear import fp8_dense, fp8_linear  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402  (torch and JAX only so far)
 
-__all__ = ["NotBuiltError", "export_safety_checks", "linear_cross_entropy", "set_implementation",
+__all__ = ["Fp8Quantized", "NotBuiltError", "export_safety_checks", "fp8_dense", "fp8_gemm",
+           "fp8_linear", "fp8_quantize", "linear_cross_entropy", "set_implementation",
            *_ops.export(__name__, globals(), "jax")]

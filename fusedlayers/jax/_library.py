@@ -21,15 +21,16 @@ from ..errors import NotBuiltError
 LIBRARY = Path(__file__).resolve().parent.parent / "_jax_ops.so"
 PASSES = ("forward", "backward")
 PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}  # symbol suffix -> XLA platform
-# The handlers' custom-call targets are fusedlayers_<target> (*_gemm*: CUDA builds).
-# linear_cross_entropy has its chunk loop's row pass and, on CUDA, the whole loop on cuBLASLt;
-# moe_experts none (grouped_gemm's or XLA's ragged dots around moe_permute's and
-# moe_unpermute's).
+# The handlers' custom-call targets are fusedlayers_<target> (linear_gelu_gemm_* and
+# linear_cross_entropy_gemm: CUDA builds). linear_cross_entropy has its chunk loop's row pass and,
+# on CUDA, the whole loop on cuBLASLt; moe_experts none (grouped_gemm's or XLA's ragged dots
+# around moe_permute's and moe_unpermute's); the FP8 ops one each (not differentiable: the FP8
+# linear layer's custom_vjp calls them).
 TARGETS = (*(f"{op}_{pass_}" for op in ops.NAMES if op not in ("linear_cross_entropy",
                                                                "moe_experts")
              for pass_ in PASSES),
            *(f"linear_gelu_gemm_{pass_}" for pass_ in PASSES),
-           "linear_cross_entropy_chunk", "linear_cross_entropy_gemm")
+           "linear_cross_entropy_chunk", "linear_cross_entropy_gemm", "fp8_quantize", "fp8_gemm")
 
 
 def cuda_build(env=os.environ) -> tuple[bool, str]:
@@ -49,13 +50,14 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
         cuda, why = cuda_build()
         print(f"fusedlayers: {'building' if cuda else 'not building'} the JAX CUDA handlers "
               f"({why})")
-    # With CUDA, also linear_gelu's cuBLASLt handlers, linked to the toolkit's cuBLASLt.
+    # With CUDA, also the cuBLASLt handlers, linked to the toolkit's cuBLASLt.
     libs = [f"-l{lib}" for lib in _sources.CUDA_LIBRARIES] if cuda else []
     if cuda:
         libdir = Path(_sources.find_cuda_home()) / "lib64"
         libs = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", *libs]
-    # csrc's cuBLASLt GEMMs and, for Hopper, the grouped GEMM's CUTLASS kernels with CUDA
-    archive = _sources.csrc_archive(cuda, _sources.sm90_wanted(cuda), gemm=cuda,
+    # csrc's GEMM ops (fp8_gemm's CPU reference; with CUDA, cuBLASLt's GEMMs) and, for Hopper,
+    # the grouped GEMM's CUTLASS kernels
+    archive = _sources.csrc_archive(cuda, _sources.sm90_wanted(cuda), gemm=True,
                                     abi=_sources.DEFAULT_CXX11_ABI, archs=_archs(),
                                     verbose=verbose)
     return _sources.build_library(output, _sources.xla_sources(cuda=cuda),
@@ -73,7 +75,7 @@ def _jit_library() -> Path:
     cuda, _ = cuda_build()
     verbose = os.environ.get("FUSEDLAYERS_JIT_VERBOSE") == "1"
     sources = [*_sources.xla_sources(cuda=cuda),
-               *_sources.csrc_sources(cuda=cuda, sm90=_sources.sm90_wanted(cuda), gemm=cuda)]
+               *_sources.csrc_sources(cuda=cuda, sm90=_sources.sm90_wanted(cuda), gemm=True)]
     return _sources.jit_library("jax_ops", f"{jax.__version__} cuda={cuda} {_archs()}", sources,
                                 lambda path: build(path, verbose, cuda))
 
