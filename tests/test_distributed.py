@@ -28,7 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-EPOCHS = 3  # the first epoch (1e-5) and two with weights an ulp or more apart
+EPOCHS = 2  # the first epoch (1e-5) and one with weights an ulp or more apart
 SHORT = ["--min-accuracy", "0"]  # the examples' learning bar is for their full runs
 FIRST_RTOL = 1e-5  # the example's first-epoch bound: the same function up to float32 rounding
 LATER_RTOL = 1e-3  # train_torch.py's LOSS_RTOL (train_keras.py's is 1e-2)

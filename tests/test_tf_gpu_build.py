@@ -31,6 +31,9 @@ OPS = ["FusedlayersReluScale", "FusedlayersReluScaleGrad", "FusedlayersLayerNorm
        "FusedlayersLinearCrossEntropyChunk", "FusedlayersGroupedGemm", "FusedlayersGroupedGemmGrad",
        "FusedlayersMoePermute", "FusedlayersMoePermuteGrad", "FusedlayersMoeUnpermute",
        "FusedlayersMoeUnpermuteGrad"]
+# The FP8 ops run outside XLA; the FP8 GEMM on the CPU alone (the library links no cuBLASLt).
+FP8_KERNELS = {"FusedlayersFp8Quantize": ["CPU:", "GPU:bfloat16", "GPU:float16", "GPU:float32"],
+               "FusedlayersFp8Gemm": ["CPU:"]}
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +65,14 @@ def test_cuda_runtime_is_private(gpu_library):
 def test_gpu_kernels_registered_and_cpu_runs(gpu_library):
     """In a fresh process (the op names are registered once per process): every op has a CPU
     kernel, GPU kernels for float32/float16/bfloat16 and XLA kernels for XLA's CPU and GPU JIT
-    devices, and the CPU kernel still computes."""
+    devices (the FP8 ops theirs), and the CPU kernel still computes."""
     script = f"""
 import json
 import tensorflow as tf
 from tensorflow.python.framework import kernels
 lib = tf.load_op_library({str(gpu_library)!r})
 found = {{}}
-for op in {OPS!r}:
+for op in {OPS + list(FP8_KERNELS)!r}:
     found[op] = sorted(
         k.device_type + ":" + ",".join(tf.dtypes.as_dtype(t).name
                                       for c in k.constraint
@@ -85,5 +88,5 @@ print(json.dumps({{"kernels": found, "y": [str(v) for v in y.numpy().tolist()],
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     want = ["CPU:", "GPU:bfloat16", "GPU:float16", "GPU:float32", "XLA_CPU_JIT:", "XLA_GPU_JIT:"]
-    assert result["kernels"] == {op: want for op in OPS}
+    assert result["kernels"] == {**{op: want for op in OPS}, **FP8_KERNELS}
     assert result["y"] == ["0.0", "6.0", "nan"] and result["mask"] == [0b110]

@@ -16,9 +16,7 @@ Fp8Format format_of(const char* name, const AnyBuffer& t) {
   }
 }
 
-// The operand o of data [rows, cols] and its scales' storage `scale_inv` (fp8.h), with the scale
-// shape csrc checks: as the caller holds it ([rows, blocks] for 1x128; 128x128's tiles
-// without the padding of their rows, where the storage has exactly that padding).
+// The operand o of data [rows, cols] and its scales in csrc's storage (fp8_scales_from_storage).
 Fp8Operand operand(const char* name, const AnyBuffer& q, const AnyBuffer& scale_inv,
                    std::string_view scaling) {
   Fp8Operand o;
@@ -26,24 +24,13 @@ Fp8Operand operand(const char* name, const AnyBuffer& q, const AnyBuffer& scale_
   o.scaling = parse_fp8_scaling("fp8_gemm", std::string(scaling));
   const Dims d = q.dimensions(), s = scale_inv.dimensions();
   if (d.size() != 2) arg_error("fp8_gemm", std::string(name) + " must be 2-D");
+  if (scale_inv.element_type() != ffi::DataType::F32)
+    arg_error("fp8_gemm", std::string(name) + "_scale_inv must be float32");
   o.rows = d[0];
   o.cols = d[1];
   o.data = static_cast<const uint8_t*>(q.untyped_data());
   o.scale_inv = static_cast<const float*>(scale_inv.untyped_data());
-  if (scale_inv.element_type() != ffi::DataType::F32)
-    arg_error("fp8_gemm", std::string(name) + "_scale_inv must be float32");
-  if (s.size() == 0) {
-    o.scale_rows = o.scale_cols = 1;
-  } else if (s.size() == 2 && o.scaling == Fp8Scaling::kBlock1x128) {
-    o.scale_rows = s[1];
-    o.scale_cols = s[0];
-  } else if (s.size() == 2) {
-    const Fp8ScaleSizes want = fp8_scale_sizes(o.scaling, o.rows, o.cols, false);
-    o.scale_rows = s[0];
-    o.scale_cols = s[1] == want.ld ? want.dim1 : s[1];
-  } else {
-    o.scale_rows = o.scale_cols = -1;
-  }
+  fp8_scales_from_storage(o, s.begin(), static_cast<int64_t>(s.size()));
   return o;
 }
 

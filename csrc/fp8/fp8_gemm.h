@@ -40,6 +40,12 @@ struct Fp8Operand {
   int64_t scale_rows = 0, scale_cols = 0;
 };
 
+// o's scale_rows / scale_cols from a scale_inv held in fp8.h's storage layout (dims of ndim:
+// [blocks, rows] for 1x128, [row tiles, ld] for 128x128, one value for tensorwise), as the
+// bindings that keep the storage (XLA's, TF's) pass it; o's scaling, rows and cols set. A
+// storage of another shape gives a shape the check refuses.
+void fp8_scales_from_storage(Fp8Operand& o, const int64_t* dims, int64_t ndim);
+
 struct Fp8Gemm {
   Fp8Operand a, b;
   int64_t m() const { return a.rows; }

@@ -96,11 +96,13 @@ def scale_view(storage, scaling: str, rows: int, cols: int):
 
 
 def scale_storage(scale_inv, scaling: str, rows: int, cols: int):
-    """scale_view's inverse, for the custom calls: csrc's storage of rows x cols values' scales
-    (128x128's rows padded with zeros, never read)."""
+    """scale_view's inverse, for the GEMM op: csrc's storage of rows x cols values' scales
+    (128x128's rows padded with zeros, never read). Scales of another shape pass as they are,
+    for csrc's check to refuse."""
     if scaling == "1x128" and scale_inv.ndim == 2:
         return scale_inv.T
     if scaling == "128x128" and scale_inv.ndim == 2:
-        ld = _csrc_check.fp8_scale_sizes(_op.lib, scaling, rows, cols, False)[2]
-        return jnp.pad(scale_inv, ((0, 0), (0, max(ld - scale_inv.shape[1], 0))))
+        _, dim1, ld = _csrc_check.fp8_scale_sizes(_op.lib, scaling, rows, cols, False)
+        if scale_inv.shape[1] == dim1:
+            return jnp.pad(scale_inv, ((0, 0), (0, ld - dim1)))
     return scale_inv

@@ -4,6 +4,8 @@ into a model's clone."""
 
 from .. import ops as _ops
 from ._layer import framework
+from .fp8_dense import Fp8Dense  # the FP8 ops are not in the op table
 from .fuse import fuse
 
-__all__ = ["framework", "fuse", *_ops.export(__name__, globals(), "keras", optional=True)]
+__all__ = ["Fp8Dense", "framework", "fuse", *_ops.export(__name__, globals(), "keras",
+                                                        optional=True)]

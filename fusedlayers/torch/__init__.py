@@ -10,13 +10,14 @@ from .adamw import AdamW
 from .fp8 import Fp8Quantized, fp8_quantize
 from .fp8_gated import fp8_gated, fp8_gated_backward
 from .fp8_gemm import fp8_gemm
-from .fp8_linear import Fp8Linear, fp8_linear
+from .fp8_linear import Fp8Linear, fp8_dense, fp8_linear
 from .fp8_mlp import fp8_gated_mlp
 from .fuse import FuseReport, fuse
 from .linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["AdamW", "Fp8Linear", "Fp8Quantized", "FuseReport", "NotBuiltError", "fp8_gated",
-           "fp8_gated_backward", "fp8_gated_mlp", "fp8_gemm", "fp8_linear", "fp8_quantize", "fuse",
+           "fp8_dense", "fp8_gated_backward", "fp8_gated_mlp", "fp8_gemm", "fp8_linear", "fp8_quantize",
+           "fuse",
            "linear_cross_entropy",
            *_ops.export(__name__, globals(), "torch")]
 

@@ -11,7 +11,7 @@ from ..fp8_recipe import Fp8Recipe
 from .fp8 import Fp8Quantized, fp8_quantize
 from .fp8_gemm import dequantize, fp8_gemm
 
-__all__ = ["Fp8Linear", "fp8_linear"]
+__all__ = ["Fp8Linear", "fp8_dense", "fp8_linear"]
 
 # cuBLASLt's FP8 GEMMs take contracted and output sizes in multiples of 16 (fp8_gemm.h).
 MULTIPLE = 16
@@ -118,6 +118,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if tokens == 0 or tokens % MULTIPLE != 0:
         return F.linear(x, weight, bias)
     return _Fp8Linear.apply(x, weight, bias, recipe, _out_dtype(x))
+
+
+def fp8_dense(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None = None,
+              recipe: Fp8Recipe | None = None) -> torch.Tensor:
+    """fp8_linear with a Keras kernel (in_features, out_features): x @ kernel + bias (its
+    transpose quantized as the weight; the kernel's gradient in its layout)."""
+    return fp8_linear(x, kernel.t(), bias, recipe)
 
 
 class Fp8Linear(nn.Linear):

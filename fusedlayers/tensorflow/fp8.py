@@ -1,0 +1,75 @@
+"""FP8 quantization on TensorFlow tensors: the FusedlayersFp8Quantize op
+(backends/tensorflow/fp8_quantize.cc), the same csrc kernels and bits as
+fusedlayers.torch.fp8_quantize. The scaling rule and the layouts: csrc/fp8/fp8.h. Runs outside
+XLA (the op has no XLA kernel)."""
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from .. import _csrc_check
+from . import _op
+
+__all__ = ["Fp8Quantized", "fp8_quantize"]
+
+FORMATS = {"e4m3": tf.dtypes.experimental.float8_e4m3fn,
+           "e5m2": tf.dtypes.experimental.float8_e5m2}
+
+
+class Fp8Quantized(NamedTuple):
+    """x quantized: `data` (x's shape, FP8) with `scale_inv` (float32, x ~ data * scale_inv per
+    block) and, where asked, x^T's: `data_t` (cols x rows) with `scale_inv_t`, else None."""
+    data: tf.Tensor
+    scale_inv: tf.Tensor
+    data_t: tf.Tensor | None
+    scale_inv_t: tf.Tensor | None
+
+
+def fp8_quantize(x, scaling: str = "1x128", format: str = "e4m3", transpose: bool = False,
+                 power_of_2_scales: bool = False) -> Fp8Quantized:
+    """x quantized to FP8 with its scales, in one pass over x (two for tensorwise: amax, cast).
+
+    x: [..., cols], float32/float16/bfloat16, viewed as rows x cols. scaling: "1x128", "128x128"
+    or "tensorwise"; format: "e4m3" (tf float8_e4m3fn, max 448) or "e5m2" (float8_e5m2, max
+    57344); transpose: also x^T quantized with its own blocks along x's rows; power_of_2_scales:
+    scales rounded down to powers of two. Returns Fp8Quantized with fusedlayers.torch's shapes
+    (scale_inv [] tensorwise, [rows, ceil(cols/128)] 1x128, [ceil(rows/128), ceil(cols/128)]
+    128x128) and bits (csrc/fp8/fp8.h; formats: Micikevicius et al. 2022, arXiv:2209.05433).
+    Not differentiable. Raises InvalidArgumentError for other dtypes, an unknown scaling or
+    format, or a 0-d x.
+    """
+    (x,) = _op.prepare("fp8_quantize", x=x)
+    _op.check("fp8_quantize", x, scaling, format)  # csrc's words, before Tq needs the format
+    q, s, q_t, s_t = _op.lib.fusedlayers_fp8_quantize(
+        x, scaling=scaling, format=format, transpose=bool(transpose),
+        power_of_2_scales=bool(power_of_2_scales), Tq=FORMATS[format])
+    cols = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64)) if cols else 0
+    if not transpose:
+        return Fp8Quantized(q, scale_view(s, scaling, rows, cols), None, None)
+    return Fp8Quantized(q, scale_view(s, scaling, rows, cols), q_t,
+                        scale_view(s_t, scaling, cols, rows))
+
+
+def scale_view(storage, scaling: str, rows: int, cols: int):
+    """The scales of rows x cols values as fp8_quantize returns them, from csrc's storage:
+    1x128's [blocks, rows] transposed, 128x128's padded rows cut to their tiles."""
+    if scaling == "1x128":
+        return tf.transpose(storage)
+    if scaling == "128x128":
+        return storage[:, :_csrc_check.fp8_scale_sizes(_op.clib, scaling, rows, cols, False)[1]]
+    return storage
+
+
+def scale_storage(scale_inv, scaling: str, rows: int, cols: int):
+    """scale_view's inverse, for the GEMM op: csrc's storage of rows x cols values' scales
+    (128x128's rows padded with zeros, never read). Scales of another shape pass as they are,
+    for csrc's check to refuse."""
+    if scaling == "1x128" and scale_inv.shape.rank == 2:
+        return tf.transpose(scale_inv)
+    if scaling == "128x128" and scale_inv.shape.rank == 2:
+        _, dim1, ld = _csrc_check.fp8_scale_sizes(_op.clib, scaling, rows, cols, False)
+        if scale_inv.shape[1] == dim1:
+            return tf.pad(scale_inv, [[0, 0], [0, ld - dim1]])
+    return scale_inv

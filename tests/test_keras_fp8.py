@@ -1,0 +1,63 @@
+"""fusedlayers.keras.Fp8Dense on each Keras backend (a fresh process each: Keras picks its backend
+at import): Dense's weights and config, its output the backend's fp8_dense of them (bit for bit)
+and near Dense's, the mixed_bfloat16 policy, a config round trip, and
+model.fit of a small regression tracking the same model with Dense."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("keras")
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np, keras
+    import fusedlayers.keras as flk
+    from fusedlayers import Fp8Recipe
+    backend = keras.backend.backend()
+    fl = __import__("fusedlayers." + backend, fromlist=["fp8_dense"])
+    rng = np.random.default_rng({seed})
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    x = rng.normal(size=(4, 32, 128)).astype("float32")
+    dense, fp8 = keras.layers.Dense(48), flk.Fp8Dense(48, recipe=Fp8Recipe("tensorwise"))
+    dense.build(x.shape); fp8.build(x.shape)
+    assert [w.path.split("/")[-1] for w in dense.weights] == [w.path.split("/")[-1] for w in fp8.weights]
+    for rw, fw in zip(dense.weights, fp8.weights):
+        v = rng.normal(size=rw.shape).astype("float32"); rw.assign(v); fw.assign(v)
+    assert fp8.kernel.dtype == "float32"
+    y = keras.ops.convert_to_numpy(keras.ops.cast(fp8(x), "float32"))
+    want = fl.fp8_dense(*(keras.ops.cast(t, "bfloat16") for t in (x, fp8.kernel, fp8.bias)),
+                        Fp8Recipe("tensorwise"))  # Keras' autocast of the weights in call
+    assert np.array_equal(y, keras.ops.convert_to_numpy(keras.ops.cast(want, "float32")))
+    ref = keras.ops.convert_to_numpy(keras.ops.cast(dense(x), "float32"))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
+    clone = flk.Fp8Dense.from_config(fp8.get_config())
+    assert clone.recipe == Fp8Recipe("tensorwise") and clone.units == 48
+    keras.mixed_precision.set_global_policy("float32")
+
+    def fit(layer_cls):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), layer_cls(128, activation="relu"),
+                                  layer_cls(32)])
+        model.compile(keras.optimizers.AdamW(3e-3), "mse", jit_compile=False)
+        data = np.random.default_rng(0).normal(size=(256, 64)).astype("float32")
+        target = data @ (np.random.default_rng(1).normal(size=(64, 32)) / 8).astype("float32")
+        hist = model.fit(data, target, batch_size=64, epochs=15, verbose=0, shuffle=False)
+        return hist.history["loss"]
+    ref_loss, fp8_loss = fit(keras.layers.Dense), fit(flk.Fp8Dense)
+    assert fp8_loss[-1] < fp8_loss[0] / 10, fp8_loss
+    worst = max(abs(a - b) for a, b in zip(ref_loss, fp8_loss))
+    assert worst <= 0.02 * ref_loss[0], (worst, ref_loss, fp8_loss)
+    print("ok", backend)
+""")
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
+def test_fp8_dense_on_every_backend(backend, seed):
+    pytest.importorskip(backend)
+    env = {**os.environ, "KERAS_BACKEND": backend, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=seed)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and f"ok {backend}" in out.stdout, out.stderr[-3000:]
