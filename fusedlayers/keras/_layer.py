@@ -7,7 +7,7 @@ backend."""
 import importlib
 
 import keras
-from keras import ops
+from keras import constraints, initializers, ops, regularizers
 
 _FRAMEWORKS = {"tensorflow": "fusedlayers.tensorflow", "torch": "fusedlayers.torch",
                "jax": "fusedlayers.jax"}
@@ -56,6 +56,57 @@ class FusedLayer(keras.layers.Layer):
         return input_shape
 
 
+
+
+class DenseWeights(FusedLayer):
+    """A layer with Dense's weights: `kernel` (in, units) and `bias`, with Dense's arguments for
+    them (units, use_bias, their initializers, regularizers and constraints), defaults and config
+    keys. Input (..., in_features) -> output (..., units)."""
+
+    def __init__(self, units: int, use_bias: bool = True, kernel_initializer="glorot_uniform",
+                 bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
+                 activity_regularizer=None, kernel_constraint=None, bias_constraint=None,
+                 **kwargs):
+        if not isinstance(units, int) or units <= 0:
+            raise ValueError(f"{type(self).__name__}: units must be a positive integer, got "
+                             f"{units!r}")
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.units, self.use_bias = units, use_bias
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.input_spec = keras.layers.InputSpec(min_ndim=2)
+        self.supports_masking = True  # as Dense: the mask passes through unchanged
+
+    def build(self, input_shape):
+        in_features = input_shape[-1]
+        self.kernel = self.add_weight(
+            name="kernel", shape=(in_features, self.units), initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer, constraint=self.kernel_constraint)
+        self.bias = (self.add_weight(
+            name="bias", shape=(self.units,), initializer=self.bias_initializer,
+            regularizer=self.bias_regularizer, constraint=self.bias_constraint)
+            if self.use_bias else None)
+        self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={-1: in_features})
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "units": self.units,
+            "use_bias": self.use_bias,
+            "kernel_initializer": initializers.serialize(self.kernel_initializer),
+            "bias_initializer": initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+            "bias_constraint": constraints.serialize(self.bias_constraint),
+        }
 
 
 def add_on_trailing_axes(x, residual, axis, add_norm):
