@@ -319,7 +319,7 @@ def _bench_keras_model(args) -> int:
         default = "2" if args.tiny or args.model == "qwen3-moe" else "4"
         for batch in (args.batch.split(",") if args.batch else (default,)):
             fm.run(args.model, int(batch), args.rounds, args.steps, tiny=args.tiny,
-                   log=lambda line: print(line, flush=True))
+                   log=lambda line: print(line, flush=True), fp8=args.fp8)
         if args.model == "qwen3-moe":  # the Flax model alone: Keras has no MoE model here
             return 0
     print(f"device: {name}, Keras' JAX backend\n{km.HEADER}", flush=True)

@@ -50,23 +50,24 @@ def _rotate(x, dim: int, theta: float):
 
 
 def _attention(width: int, heads: int, kv_heads: int, dim: int, theta: float, fused: bool,
-               linear: dict, qk_norm=None):
-    """The models' attention class: GQA projections, per-head q/k norms where qk_norm (rngs ->
-    a norm) is given (Qwen3), the rotation (fusedlayers' RotaryEmbedding fused, _rotate not),
-    jax.nn.dot_product_attention (cuDNN's on GPUs: XLA's keeps every layer's probabilities for
-    the backward)."""
+               linear: dict, qk_norm=None, linear_cls=None):
+    """The models' attention class: GQA projections (linear_cls, default nnx.Linear), per-head
+    q/k norms where qk_norm (rngs -> a norm) is given (Qwen3), the rotation (fusedlayers'
+    RotaryEmbedding fused, _rotate not), jax.nn.dot_product_attention (cuDNN's on GPUs: XLA's
+    keeps every layer's probabilities for the backward)."""
     import jax
     from flax import nnx
 
     import fusedlayers.flax as flf
     attention = "cudnn" if jax.devices()[0].platform == "gpu" else None
+    Linear = linear_cls or nnx.Linear
 
     class Attention(nnx.Module):
         def __init__(self, rngs):
-            self.q_proj = nnx.Linear(width, heads * dim, rngs=rngs, **linear)
-            self.k_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
-            self.v_proj = nnx.Linear(width, kv_heads * dim, rngs=rngs, **linear)
-            self.o_proj = nnx.Linear(heads * dim, width, rngs=rngs, **linear)
+            self.q_proj = Linear(width, heads * dim, rngs=rngs, **linear)
+            self.k_proj = Linear(width, kv_heads * dim, rngs=rngs, **linear)
+            self.v_proj = Linear(width, kv_heads * dim, rngs=rngs, **linear)
+            self.o_proj = Linear(heads * dim, width, rngs=rngs, **linear)
             if qk_norm is not None:
                 self.q_norm, self.k_norm = qk_norm(rngs), qk_norm(rngs)
             self.rotary = flf.RotaryEmbedding(theta) if fused else None
@@ -172,27 +173,34 @@ def build_moe(blocks: int, width: int, heads: int, kv_heads: int, head_dim: int,
 
 
 def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: int, seq: int,
-          fused: bool, seed: int = 0):
+          fused: bool, seed: int = 0, fp8=None):
     """The model (an nnx.Module whose __call__(ids, labels) is the mean loss), its parameters
-    drawn from `seed` in the same order fused or not."""
+    drawn from `seed` in the same order fused or not. fp8 (a fusedlayers.Fp8Recipe, with fused):
+    the attention and MLP projections as fusedlayers.flax.Fp8Linear, the MLP's activation
+    fusedlayers.jax.swiglu (the head stays bf16)."""
+    import functools
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     import fusedlayers.flax as flf
+    import fusedlayers.jax as flj
     bf16, dim = jnp.bfloat16, width // heads
     linear = dict(use_bias=False, dtype=bf16, param_dtype=jnp.float32)
+    Linear = functools.partial(flf.Fp8Linear, recipe=fp8) if fp8 else nnx.Linear
 
-    Attention = _attention(width, heads, kv_heads, dim, 500000.0, fused, linear)
+    Attention = _attention(width, heads, kv_heads, dim, 500000.0, fused, linear, linear_cls=Linear)
 
     class MLP(nnx.Module):
         def __init__(self, rngs):
-            self.gate_proj = nnx.Linear(width, mlp, rngs=rngs, **linear)
-            self.up_proj = nnx.Linear(width, mlp, rngs=rngs, **linear)
-            self.down_proj = nnx.Linear(mlp, width, rngs=rngs, **linear)
+            self.gate_proj = Linear(width, mlp, rngs=rngs, **linear)
+            self.up_proj = Linear(width, mlp, rngs=rngs, **linear)
+            self.down_proj = Linear(mlp, width, rngs=rngs, **linear)
 
         def __call__(self, x):
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(flj.swiglu(gate, up) if fp8 else jax.nn.silu(gate) * up)
 
     def norm(first: bool, rngs):
         cls = nnx.RMSNorm if not fused else flf.RMSNorm if first else flf.AddRMSNorm
@@ -202,7 +210,8 @@ def build(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: i
         def __init__(self, first, rngs):
             self.attn_norm, self.attn = norm(first, rngs), Attention(rngs)
             self.mlp_norm = norm(False, rngs)
-            self.mlp = flf.GatedMLP(width, mlp, dtype=bf16, rngs=rngs) if fused else MLP(rngs)
+            self.mlp = flf.GatedMLP(width, mlp, dtype=bf16, rngs=rngs) if fused and not fp8 \
+                else MLP(rngs)
 
     class Model(nnx.Module):
         def __init__(self, rngs):
@@ -241,10 +250,15 @@ def _train_step(model):
     return jax.jit(step, donate_argnums=0), state
 
 
-def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=print):
-    """Rows (label, unfused ms, fused ms, speedup, unfused temp MB, fused temp MB, loss diff)."""
+def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=print,
+        fp8: bool = False):
+    """Rows (label, unfused ms, fused ms, speedup, unfused temp MB, fused temp MB, loss diff);
+    with fp8 (the Llama models), also the fused model with its projections in FP8, blockwise
+    and tensorwise (each row's speedup over the unfused step; the first loss compared)."""
     import jax
     import numpy as np
+
+    from ..fp8_recipe import Fp8Recipe
 
     moe = name in MOE_CONFIGS
     config = (MOE_CONFIGS if moe else CONFIGS)["tiny" if tiny else name]
@@ -255,6 +269,9 @@ def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=
     variants = {"unfused": dict(fused=False), "fused": dict(fused=True)}
     if moe:
         variants["fused, GEMMs on ragged_dot"] = dict(fused=True, gemm="framework")
+    elif fp8:
+        variants.update({f"fp8 {s}": dict(fused=True, fp8=Fp8Recipe(s))
+                         for s in ("blockwise", "tensorwise")})
     # One model at a time: two with their AdamW states and the unfused step's logits do not
     # fit an 80 GB device at vocabulary 128256, so the rows are sequential, not A/B rounds.
     for key, options in variants.items():
@@ -283,7 +300,8 @@ def run(name: str, batch: int, rounds: int, steps: int, tiny: bool = False, log=
     precision = "bf16 params" if moe else "bf16/f32 params"
     rows = []
     for key in list(variants)[1:]:
-        label = "flax " + name + ("-tiny" if tiny else "") + ("" if key == "fused" else " (b)")
+        label = "flax " + name + ("-tiny" if tiny else "") + (
+            "" if key == "fused" else " " + key if key.startswith("fp8") else " (b)")
         lead = f"{label:<22}{batch:>6} {precision:<16}"
         missing = [k for k in ("unfused", key) if k in not_run]
         if missing:
