@@ -323,6 +323,9 @@ def _bench_keras_model(args) -> int:
         if args.model == "qwen3-moe":  # the Flax model alone: Keras has no MoE model here
             return 0
     print(f"device: {name}, Keras' JAX backend\n{km.HEADER}", flush=True)
+    if importlib.util.find_spec("keras") is None:
+        print(f"{args.model}: did not run: keras is not installed", flush=True)
+        return 0
     rows = km.run(args.model, tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
                   tuple((args.precision or "mixed_bfloat16").split(",")), args.rounds,
                   args.steps, tiny=args.tiny, variants=tuple(args.jax_impl.split(";")),

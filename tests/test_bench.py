@@ -275,6 +275,17 @@ def test_keras_model_bench_tiny_on_the_jax_backend(name, tmp_path):
     assert 0 < row["first_forward_rel_diff"] <= 1e-5
 
 
+def test_keras_model_rows_without_keras_say_why(monkeypatch, capsys):
+    """Where keras is not installed (the GPU host's image) the Keras rows say so, not a
+    traceback."""
+    pytest.importorskip("jax")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "keras" else find_spec(name, *a))
+    assert main.bench(["--framework", "jax", "--model", "llama", "--tiny"]) == 0
+    assert "llama: did not run: keras is not installed" in capsys.readouterr().out
+
+
 def test_llm_bench_tiny_flax_and_keras_with_a_switch_variant(tmp_path):
     """llama-lm: the Flax NNX row, then a Keras row per FUSEDLAYERS_JAX_IMPL setting (the
     defaults, and RoPE and the norms as XLA's formulas); the losses agree."""
