@@ -103,3 +103,27 @@ def fp8_gemm_workspace_size(lib) -> int:
     fn = lib.fusedlayers_xla_fp8_gemm_workspace_size
     fn.restype, fn.argtypes = ctypes.c_size_t, []
     return int(fn())
+
+
+def fp8_scale_view(lib, storage, scaling: str, rows: int, cols: int, transpose):
+    """The scales of rows x cols values as fp8_quantize returns them (torch's shapes), from
+    csrc's storage in any framework's arrays (`transpose`: its 2-D transpose): 1x128's [blocks,
+    rows] transposed, 128x128's padded rows cut to their tiles."""
+    if scaling == "1x128":
+        return transpose(storage)
+    if scaling == "128x128":
+        return storage[:, :fp8_scale_sizes(lib, scaling, rows, cols, False)[1]]
+    return storage
+
+
+def fp8_scale_storage(lib, scale_inv, scaling: str, rows: int, cols: int, transpose, pad):
+    """fp8_scale_view's inverse, for the GEMM ops: csrc's storage of rows x cols values' scales
+    (`pad(a, n)`: a with n zero columns appended; 128x128's row padding is never read). Scales
+    of another shape pass as they are, for csrc's check to refuse."""
+    if len(scale_inv.shape) == 2 and scaling == "1x128":
+        return transpose(scale_inv)
+    if len(scale_inv.shape) == 2 and scaling == "128x128":
+        _, dim1, ld = fp8_scale_sizes(lib, scaling, rows, cols, False)
+        if scale_inv.shape[1] == dim1:
+            return pad(scale_inv, ld - dim1)
+    return scale_inv

@@ -86,23 +86,11 @@ def fp8_quantize(x, scaling: str = "1x128", format: str = "e4m3", transpose: boo
 
 
 def scale_view(storage, scaling: str, rows: int, cols: int):
-    """The scales of rows x cols values as fp8_quantize returns them, from csrc's storage:
-    1x128's [blocks, rows] transposed, 128x128's padded rows cut to their tiles."""
-    if scaling == "1x128":
-        return storage.T
-    if scaling == "128x128":
-        return storage[:, :_csrc_check.fp8_scale_sizes(_op.lib, scaling, rows, cols, False)[1]]
-    return storage
+    """fp8_quantize's scales from csrc's storage (_csrc_check.fp8_scale_view)."""
+    return _csrc_check.fp8_scale_view(_op.lib, storage, scaling, rows, cols, jnp.transpose)
 
 
 def scale_storage(scale_inv, scaling: str, rows: int, cols: int):
-    """scale_view's inverse, for the GEMM op: csrc's storage of rows x cols values' scales
-    (128x128's rows padded with zeros, never read). Scales of another shape pass as they are,
-    for csrc's check to refuse."""
-    if scaling == "1x128" and scale_inv.ndim == 2:
-        return scale_inv.T
-    if scaling == "128x128" and scale_inv.ndim == 2:
-        _, dim1, ld = _csrc_check.fp8_scale_sizes(_op.lib, scaling, rows, cols, False)
-        if scale_inv.shape[1] == dim1:
-            return jnp.pad(scale_inv, ((0, 0), (0, ld - dim1)))
-    return scale_inv
+    """csrc's storage of fp8_quantize's scales, for the GEMM op (_csrc_check.fp8_scale_storage)."""
+    return _csrc_check.fp8_scale_storage(_op.lib, scale_inv, scaling, rows, cols, jnp.transpose,
+                                         lambda a, n: jnp.pad(a, ((0, 0), (0, n))))
