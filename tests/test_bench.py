@@ -287,21 +287,26 @@ def test_keras_model_rows_without_keras_say_why(monkeypatch, capsys):
 
 
 def test_llm_bench_tiny_flax_and_keras_with_a_switch_variant(tmp_path):
-    """llama-lm: the Flax NNX row, then a Keras row per FUSEDLAYERS_JAX_IMPL setting (the
-    defaults, and RoPE and the norms as XLA's formulas); the losses agree."""
+    """llama-lm: the Flax NNX rows (with --fp8 its FP8 variants too), then a Keras row per
+    FUSEDLAYERS_JAX_IMPL setting (the defaults, and RoPE and the norms as XLA's formulas); the
+    losses agree."""
     pytest.importorskip("keras")
     pytest.importorskip("flax")
     out = tmp_path / "keras.json"
     result = subprocess.run(
         [sys.executable, "-m", "fusedlayers", "bench", "--framework", "jax", "--model",
          "llama-lm", "--tiny", "--batch", "2", "--precision", "float32", "--rounds", "1",
-         "--steps", "1", "--jax-impl", ";rope=xla,rms_norm=xla,add_rms_norm=xla",
+         "--steps", "1", "--fp8", "--jax-impl", ";rope=xla,rms_norm=xla,add_rms_norm=xla",
          "--json", str(out)], capture_output=True, text=True, timeout=600,
         env={**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.returncode == 0, result.stderr[-3000:]
     flax_row = next(line for line in result.stdout.splitlines()
                     if line.startswith("flax llama-lm-tiny"))
     assert float(flax_row.split()[-1]) <= 1e-4  # bfloat16 computation: the first losses
+    for recipe in ("blockwise", "tensorwise"):  # FP8: within its rounding of the first loss
+        fp8_row = next(line for line in result.stdout.splitlines()
+                       if line.startswith(f"flax llama-lm-tiny fp8 {recipe}"))
+        assert float(fp8_row.split()[-1]) <= 1e-2, fp8_row
     rows = json.loads(out.read_text())["rows"]
     assert [r["model"] for r in rows] == [
         "llama-lm-tiny", "llama-lm-tiny [rope=xla,rms_norm=xla,add_rms_norm=xla]"]

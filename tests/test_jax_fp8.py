@@ -64,12 +64,12 @@ def values(rng, shape, dtype, octaves=(-6, 6)):
     return np.array(jnp.asarray(x, dtype).astype(jnp.float32))
 
 
-@pytest.mark.parametrize("power_of_2", [False, True], ids=["", "pow2"])
 @pytest.mark.parametrize("transpose", [False, True], ids=["rows", "cast-transpose"])
 @pytest.mark.parametrize("format", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_quantize_gives_torchs_bits(scaling, dtype, format, transpose, power_of_2, rng):
+def test_quantize_gives_torchs_bits(scaling, dtype, format, transpose, rng):
+    power_of_2 = transpose and format == "e4m3"  # power-of-two scales in a quarter of the cases
     x = values(rng, (3, 67, 300), dtype)
     x[0, 5, 7] = 0.0
     x[1, 2, :] = 0.0  # an all-zero row: its 1x128 blocks take scale 1
@@ -298,7 +298,7 @@ def test_flax_fp8_linear_trains_as_the_bf16_linear(rng):
 def test_flax_llama_trains_in_fp8_beside_bf16():
     """The bench's tiny Flax Llama (fused) with its projections as Fp8Linear: the same initial
     parameters as the bf16 model, and 30 AdamW steps whose losses follow the bf16 model's
-    within 1% of the starting loss; the bench's FP8 rows run."""
+    within 1% of the starting loss (the bench's FP8 rows: test_bench.py)."""
     from fusedlayers.bench import flax_models as fm
 
     config = fm.CONFIGS["tiny"]
@@ -318,5 +318,3 @@ def test_flax_llama_trains_in_fp8_beside_bf16():
     assert fp8[-1] < fp8[0] * 0.95, fp8
     worst = max(abs(a - b) for a, b in zip(fp8, bf16))
     assert worst <= 0.01 * bf16[0], (worst, bf16, fp8)
-    rows = fm.run("llama-lm", 2, 1, 1, tiny=True, log=lambda line: None, fp8=True)
-    assert "fp8 blockwise" in rows and "fp8 tensorwise" in rows and "nan" not in rows, rows
