@@ -128,3 +128,28 @@ def test_argument_errors():
         fltf.fp8_gemm(q, "1x128", w._replace(scale_inv=w.scale_inv[:, :0]), "128x128")
     with pytest.raises(invalid, match="in_features and out_features must be multiples of 16"):
         fltf.fp8_linear(x, tf.ones((40, 64)))
+
+
+def test_unknown_token_count_in_a_tf_function_runs_fp8(rng):
+    """A tf.function traced with an unknown batch (as Keras' relaxed retraces are) decides the
+    FP8 GEMMs' rule at run time: the eager FP8 bits and gradients for 32 tokens, the plain
+    product for 37."""
+    kernel = tf.Variable((rng.normal((64, 32)) / 8).astype(np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 64], tf.float32)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = fltf.fp8_dense(x, kernel)
+        return (y, *tape.gradient(y, [x, kernel]))
+
+    for tokens in (32, 37):
+        x = tf.constant(values(rng, (tokens, 64)))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = fltf.fp8_dense(x, kernel)
+        want = (y, *tape.gradient(y, [x, kernel]))
+        for got, exp in zip(step(x), want):
+            assert np.array_equal(got.numpy(), exp.numpy())
+    plain = tf.constant(values(rng, (37, 64)))
+    assert np.array_equal(step(plain)[0].numpy(), (plain @ kernel).numpy())

@@ -45,7 +45,11 @@ def fp8_quantize(x, scaling: str = "1x128", format: str = "e4m3", transpose: boo
         x, scaling=scaling, format=format, transpose=bool(transpose),
         power_of_2_scales=bool(power_of_2_scales), Tq=FORMATS[format])
     cols = x.shape[-1]
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64)) if cols else 0
+    # rows unknown while tracing (a tf.function's None batch) is read only by 128x128's x^T
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.shape[:-1].is_fully_defined() else None
+    if rows is None and transpose and scaling == "128x128":
+        raise _op.invalid("fusedlayers.fp8_quantize: 128x128 scaling with transpose needs x's "
+                          "leading sizes known while tracing")
     if not transpose:
         return Fp8Quantized(q, scale_view(s, scaling, rows, cols), None, None)
     return Fp8Quantized(q, scale_view(s, scaling, rows, cols), q_t,

@@ -19,9 +19,9 @@ MULTIPLE = 16  # cuBLASLt's FP8 GEMMs take contracted and output sizes in multip
 def fp8_linear(x, weight, bias=None, recipe: Fp8Recipe | None = None) -> tf.Tensor:
     """y = x @ weight^T + bias with its GEMMs in FP8 (fusedlayers.torch.fp8_linear's contract:
     weight (out_features, in_features), both multiples of 16; a token count off 16 runs as the
-    plain product; y in x's dtype, the gradients in x's, weight's and bias's dtypes; the GEMMs
-    left out of recipe.gemms run in x's dtype). Raises InvalidArgumentError for shapes off those
-    rules."""
+    plain product, decided at run time where a tf.function leaves it unknown; y in x's dtype,
+    the gradients in x's, weight's and bias's dtypes; the GEMMs left out of recipe.gemms run in
+    x's dtype). Raises InvalidArgumentError for shapes off those rules."""
     return _linear(x, weight, bias, recipe, False, "fp8_linear")
 
 
@@ -43,14 +43,20 @@ def _linear(x, w, bias, recipe, in_out, op):
         raise _op.invalid(f"fusedlayers.{op}: in_features and out_features must be multiples "
                           f"of {MULTIPLE}, got weight {w.shape.as_list()}")
     x2 = tf.reshape(x, (-1, in_features))
-    tokens = x2.shape[0]
-    if tokens is None or tokens == 0 or tokens % MULTIPLE:
+
+    def plain():
         y = _dot(x2, w, not in_out, x.dtype)
-        y = y if bias is None else y + tf.cast(bias, x.dtype)
-    elif bias is None:
-        y = _fp8(recipe, in_out)(x2, w)
+        return y if bias is None else y + tf.cast(bias, x.dtype)
+
+    def fp8():
+        linear = _fp8(recipe, in_out, bias is not None)
+        return linear(x2, w) if bias is None else linear(x2, w, bias)
+    tokens = x2.shape[0]
+    if tokens is None:  # a tf.function's unknown batch: the FP8 GEMMs' rule at run time
+        rows = tf.shape(x2)[0]
+        y = tf.cond(tf.logical_and(rows > 0, rows % MULTIPLE == 0), fp8, plain)
     else:
-        y = _fp8(recipe, in_out, True)(x2, w, bias)
+        y = fp8() if tokens and tokens % MULTIPLE == 0 else plain()
     return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [out_features]], 0))
 
 
