@@ -7,11 +7,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..fp8_recipe import Fp8Recipe
 from .fp8 import Fp8Quantized, fp8_quantize
-from .fp8_gemm import dequantize, fp8_gemm
+from .fp8_gemm import fp8_gemm
 
 __all__ = ["fp8_dense", "fp8_linear"]
 
@@ -146,17 +145,3 @@ def _fp8_bwd(recipe, in_out, saved, dy):
 
 _fp8.defvjp(_fp8_fwd, _fp8_bwd)
 
-
-def reference(x, weight, bias=None, recipe: Fp8Recipe | None = None):
-    """The unfused forward in float64 (numpy): x and weight [out, in] quantized as the recipe
-    says, dequantized, multiplied (+ bias)."""
-    recipe = recipe or Fp8Recipe()
-    x2 = jnp.asarray(x).reshape(-1, x.shape[-1])
-    pow2 = recipe.power_of_2_scales
-    qx = fp8_quantize(x2, recipe.input_scaling, "e4m3", power_of_2_scales=pow2)
-    qw = fp8_quantize(weight, recipe.weight_scaling, "e4m3", power_of_2_scales=pow2)
-    y = (dequantize(qx.data, qx.scale_inv, recipe.input_scaling) @
-         dequantize(qw.data, qw.scale_inv, recipe.weight_scaling).T)
-    if bias is not None:
-        y = y + np.asarray(bias, np.float64)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
