@@ -128,11 +128,12 @@ def test_empty(scaling, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_cuda_gives_the_cpu_bits(scaling, dtype, seed):
-    """Many tiles, partial ones on both edges: rows of whole 16-byte chunks (the staged kernel)
-    and an unaligned view of 4099 columns (the element-wise one), with and without x^T."""
+    """Many tiles, partial ones on both edges: rows of whole 16-byte chunks (the staged kernel;
+    x^T's columns in 8-byte stores, and byte by byte where the rows are not a multiple of 8) and
+    an unaligned view of 4099 columns (the element-wise one), with and without x^T."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1000, 4104, generator=g).to(dtype)
-    for x_cpu in (x, x.reshape(-1)[1:1 + 999 * 4099].view(999, 4099)):
+    for x_cpu in (x, x[:997], x.reshape(-1)[1:1 + 999 * 4099].view(999, 4099)):
         for transpose in (False, True):
             cpu = fp8_quantize(x_cpu, scaling, "e4m3", transpose=transpose)
             cuda = fp8_quantize(x_cpu.cuda(), scaling, "e4m3", transpose=transpose)

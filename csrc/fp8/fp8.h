@@ -12,7 +12,8 @@
 //   scale_inv = 1 / s in float32: the dequantizing scale (x ~ q * scale_inv) that the FP8
 //           GEMMs take, exact with power_of_2_scales.
 // So a block with a NaN or Inf gives NaN values and a NaN scale: nothing is silently zeroed.
-// CPU and CUDA compute the same bits (the same float32 operations, this header's conversion).
+// CPU and CUDA compute the same bits (CUDA: the hardware conversion of the products rounded to
+// odd, which rounds as this rule does: fp8_tile.cuh).
 //
 // Layouts, for x viewed as rows x cols (cols: the last dimension, the GEMM's contracted one):
 //   q:          rows x cols, row-major, one byte a value;

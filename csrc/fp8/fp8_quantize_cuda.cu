@@ -1,13 +1,13 @@
 // CUDA FP8 quantization by 128x128 tiles of x. Where x's rows are whole 16-byte chunks (the
 // usual case), staged_tile_kernel: persistent blocks copy the next tile into shared memory
-// (cp.async) while they quantize the current one from there, x's rows and, with transpose, x^T's
-// rows. Elsewhere quantize_tile_kernel: a block of 256 threads per tile, each warp loading 16 of
-// its rows (a lane 4 adjacent values of each) and, with transpose, passing the tile through
-// shared memory (rows padded to an odd number of words: conflict-free columns). Either takes
-// each 1x128 block's amax by warp shuffles or the tile's by a block reduction. Tensorwise
-// scaling first reduces the tensor's amax (atomicMax on the bits). The values go through the
-// hardware's conversion of the float32 product, moved one ulp toward the exact product where it
-// lies on a tie of the FP8 grid: fp8.h's rounding, so results match the CPU kernels bit for bit.
+// (cp.async) while they quantize the current one from there (fp8_tile.cuh's quantize_tile: x's
+// rows and, with transpose, x^T's, each written 8 bytes a lane). Elsewhere quantize_tile_kernel:
+// a block of 256 threads per tile, each warp loading 16 of its rows (a lane 4 adjacent values of
+// each) and, with transpose, passing the tile through shared memory (rows padded to an odd number
+// of words: conflict-free columns). Either takes each 1x128 block's amax by warp shuffles or the
+// tile's by a block reduction. Tensorwise scaling first reduces the tensor's amax (atomicMax on
+// the bits): two passes over x. The values go through the hardware's conversion of the float32
+// product rounded to odd: fp8.h's rounding, so results match the CPU kernels bit for bit.
 #include "fp8/fp8_tile.cuh"
 
 namespace fusedlayers {
@@ -82,11 +82,12 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0 && r < rows) scale_inv[cb * rows + r] = 1.f / s;
     }
     if (r >= rows) continue;
-    const uint32_t out =
-        quantize2(v(i, 0), v(i, 1), s, f) | quantize2(v(i, 2), v(i, 3), s, f) << 16;
+    const float vals[4] = {v(i, 0), v(i, 1), v(i, 2), v(i, 3)};
+    uint32_t out[1];
+    quantize_values(vals, s, f, out);
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      if (c + k < cols) q[r * cols + c + k] = uint8_t(out >> (8 * k));
+      if (c + k < cols) q[r * cols + c + k] = uint8_t(out[0] >> (8 * k));
   }
   if constexpr (kTranspose) {
     __syncthreads();
@@ -108,24 +109,42 @@ __global__ void __launch_bounds__(kThreads)
         if (lane == 0 && col < cols) scale_inv_t[stripe * cols + col] = 1.f / s;
       }
       if (col >= cols) continue;
-      const uint32_t out = quantize2(t[0], t[1], s, f) | quantize2(t[2], t[3], s, f) << 16;
+      uint32_t out[1];
+      quantize_values(t, s, f, out);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t r = r0 + lane + 32 * i;
-        if (r < rows) q_t[col * rows + r] = uint8_t(out >> (8 * i));
+        if (r < rows) q_t[col * rows + r] = uint8_t(out[0] >> (8 * i));
       }
     }
   }
 }
 
+// The tensor's amax (as bits, atomicMax into *amax_out, zeroed before): 16-byte chunks from x's
+// first 16-byte boundary on, four loads in flight a thread; the values before it and after the
+// last whole chunk one at a time.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     tensor_amax_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ amax_out) {
+  using W = Words<T>;
   __shared__ uint32_t warp_max[kWarps];
-  uint32_t amax = 0;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * kThreads)
-    amax = max(amax, abs_bits(to_acc(x[i])));
+  const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t head =
+      min(n, int64_t((16 - reinterpret_cast<uintptr_t>(x) % 16) % 16 / sizeof(T)));
+  const int64_t chunks = (n - head) / W::kPer;
+  const uint4* __restrict__ c = reinterpret_cast<const uint4*>(x + head);
+  uint32_t acc = 0;
+  int64_t i = first;
+  for (; i + 3 * stride < chunks; i += 4 * stride) {
+    const uint4 a = c[i], b = c[i + stride], d = c[i + 2 * stride], e = c[i + 3 * stride];
+    acc = W::chunk_max(W::chunk_max(W::chunk_max(W::chunk_max(acc, a), b), d), e);
+  }
+  for (; i < chunks; i += stride) acc = W::chunk_max(acc, c[i]);
+  uint32_t amax = W::amax_bits(acc);
+  for (int64_t k = first; k < head; k += stride) amax = max(amax, abs_bits(to_acc(x[k])));
+  for (int64_t k = head + chunks * W::kPer + first; k < n; k += stride)
+    amax = max(amax, abs_bits(to_acc(x[k])));
   amax = block_amax(amax, warp_max);
   if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax);
 }
@@ -136,43 +155,46 @@ __global__ void __launch_bounds__(kThreads)
 // or whole warp per row, a lane one chunk) and, with transpose, x^T's (a lane one chunk of a
 // row, a warp 32 rows at a time). The loads in flight are whole tiles, not registers.
 template <typename T, Fp8Scaling kScaling, bool kTranspose>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 1)  // blocks that fit 228 KB
     staged_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
                        bool pow2, const float* __restrict__ tensor_amax,
                        uint8_t* __restrict__ q, float* __restrict__ scale_inv,
                        uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t) {
   using Tile = StagedTile<T>;
   constexpr int kPer = Tile::kPerChunk, kChunks = Tile::kChunks;
+  constexpr int kRowStep = kThreads / kChunks;  // a thread copies chunk jt of every kRowStep-th row
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint32_t warp_max[kWarps];
-  const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
-  const int64_t tiles = col_blocks * ((rows + kFp8Block - 1) / kFp8Block);
+  const int col_blocks = int((cols + kFp8Block - 1) / kFp8Block);
+  const int tiles = col_blocks * int((rows + kFp8Block - 1) / kFp8Block);
   const float tensor_s = kScaling == Fp8Scaling::kTensorwise
                              ? fp8::multiplier(*tensor_amax, f, pow2) : 0.f;
+  const int jt = threadIdx.x % kChunks, row_t = threadIdx.x / kChunks;
 
-  const auto issue = [&](int64_t t, int stage) {
+  const auto issue = [&](int t, int stage) {
     const Tile tile{smem_raw + stage * Tile::kBytes};
-    const int64_t r0 = t / col_blocks * kFp8Block, c0 = t % col_blocks * kFp8Block;
-    for (int i = threadIdx.x; i < kFp8Block * kChunks; i += kThreads) {
-      const int row = i / kChunks, j = i % kChunks;
-      const int64_t r = r0 + row, c = c0 + j * kPer;
-      const bool valid = r < rows && c < cols;
-      cp_async16(tile.chunk(row, j), valid ? x + r * cols + c : x, valid);
+    const int64_t r = int64_t(t / col_blocks) * kFp8Block + row_t;
+    const int64_t c = int64_t(t % col_blocks) * kFp8Block + jt * kPer;
+    const int64_t rows_left = c < cols ? rows - r : 0;
+    const T* src = x + r * cols + c;
+#pragma unroll
+    for (int k = 0; k < kFp8Block / kRowStep; ++k, src += kRowStep * cols) {
+      const bool valid = k * kRowStep < rows_left;
+      cp_async16(tile.chunk(row_t + k * kRowStep, jt), valid ? src : x, valid);
     }
   };
 
   int stage = 0;
-  if (blockIdx.x < tiles) issue(blockIdx.x, 0);
+  if (int(blockIdx.x) < tiles) issue(blockIdx.x, 0);
   cp_async_commit();
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, stage ^= 1) {
-    if (t + gridDim.x < tiles) issue(t + gridDim.x, stage ^ 1);
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x, stage ^= 1) {
+    if (t + int(gridDim.x) < tiles) issue(t + gridDim.x, stage ^ 1);
     cp_async_commit();
     cp_async_wait_one();
     __syncthreads();
-    const int64_t stripe = t / col_blocks, cb = t % col_blocks;
-    quantize_tile<T, kScaling, kTranspose>(Tile{smem_raw + stage * Tile::kBytes}, stripe, cb,
-                                           rows, cols, f, pow2, tensor_s, q, scale_inv, q_t,
-                                           scale_inv_t, warp_max);
+    quantize_tile<T, kScaling, kTranspose>(Tile{smem_raw + stage * Tile::kBytes},
+                                           t / col_blocks, t % col_blocks, rows, cols, f, pow2,
+                                           tensor_s, q, scale_inv, q_t, scale_inv_t, warp_max);
     __syncthreads();  // the stage is free for the tile after next
   }
 }
@@ -228,8 +250,10 @@ void fp8_quantize_cuda(const Fp8Quantize& a, int64_t rows, int64_t cols, cudaStr
           cuda::check(cudaMemsetAsync(a.amax, 0, sizeof(float), stream), "cudaMemsetAsync");
           const int64_t n = rows * cols;
           if (n > 0) {
-            const int blocks = int(std::min<int64_t>((n + kThreads - 1) / kThreads,
-                                                     int64_t(cuda::sm_count()) * 8));
+            const int64_t per_thread = 4 * StagedTile<T>::kPerChunk;
+            const int blocks = int(std::min<int64_t>(
+                (n + kThreads * per_thread - 1) / (kThreads * per_thread),
+                int64_t(cuda::sm_count()) * 8));
             tensor_amax_kernel<T><<<blocks, kThreads, 0, stream>>>(x, n, a.amax);
             cuda::check_launch("fp8_quantize (amax)");
           }

@@ -35,48 +35,103 @@ __device__ __forceinline__ uint32_t block_amax(uint32_t v, uint32_t* warp_max) {
   return v;
 }
 
-// |x * s| as a float32 whose round-to-nearest-even in the format is that of the exact product:
-// fl(x * s), one ulp toward the exact product where fl(x * s) lies exactly on a tie (the dropped
-// bits, below the format's step at that magnitude, are exactly one half).
-__device__ __forceinline__ float magnitude_for_cvt(float x, float s, Fp8Format f) {
-  const float p = x * s;
+// x * s rounded to float32 toward zero with its last bit set where that dropped anything (round
+// to odd): float32 keeps more than the format's bits + 2, so the hardware's round-to-nearest-even
+// of it to the format (saturating) is that of the exact product, fp8.h's rule (Boldo and
+// Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+// odd", IEEE TC 2008). x and s finite: a product too small for float32's normals is far below the
+// format's smallest subnormal, whatever its last bit.
+__device__ __forceinline__ float product_to_odd(float x, float s) {
+  const float p = __fmul_rz(x, s);
   const float r = fmaf(x, s, -p);
-  const uint32_t au = __float_as_uint(p) & 0x7fffffffu;
-  const int man = f == Fp8Format::kE4M3 ? 3 : 2, min_exp = f == Fp8Format::kE4M3 ? -6 : -14;
-  const int drop = 23 - man + max(0, min_exp - (int(au >> 23) - 127));
-  const uint32_t significand = (au & 0x7fffffu) | 0x800000u;
-  const bool tie = drop <= 24 && (significand << (32 - drop)) == 0x80000000u;
-  if (tie && r != 0.f) return __uint_as_float(au + ((r > 0.f) == (p > 0.f) ? 1u : 0xffffffffu));
-  return __uint_as_float(au);
+  uint32_t b = __float_as_uint(p);  // a compare and a predicated or (not compare, select, or)
+  asm("{\n .reg .pred inexact;\n setp.ne.f32 inexact, %1, 0f00000000;\n @inexact or.b32 %0, %0, 1;\n}"
+      : "+r"(b) : "f"(r));
+  return __uint_as_float(b);
 }
 
-// Where the hardware's conversion of the float32 product p may differ from fp8.h's rule: p on a
-// tie of the format's normal grid, below its smallest normal (ties there have more dropped
-// bits; zero excepted), or NaN (the rule's 0x7F).
-__device__ __forceinline__ bool needs_exact_path(float p, Fp8Format f) {
-  const uint32_t au = abs_bits(p);
-  const bool e4m3 = f == Fp8Format::kE4M3;
-  const uint32_t low = e4m3 ? 0xfffffu : 0x1fffffu, half = (low >> 1) + 1;
-  const uint32_t min_normal = uint32_t(127 + (e4m3 ? -6 : -14)) << 23;
-  return (au & low) == half || au - 1u < min_normal - 1u || au > 0x7f800000u;
+// N values (a multiple of 4) quantized with multiplier s, as fp8::quantize does, 4 to a word
+// (the first in the low byte): the products rounded to odd, converted two at a time. A NaN s (a
+// block with a NaN or Inf: every product NaN) gives 0x7F each; any other s is finite, as are the
+// block's values.
+template <int N>
+__device__ __forceinline__ void quantize_values(const float (&x)[N], float s, Fp8Format f,
+                                                uint32_t (&out)[N / 4]) {
+  float p[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) p[k] = product_to_odd(x[k], s);
+  const auto convert = [&](__nv_fp8_interpretation_t kind) {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k)
+      out[k] = uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(p[4 * k], p[4 * k + 1]),
+                                                 __NV_SATFINITE, kind)) |
+               uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(p[4 * k + 2], p[4 * k + 3]),
+                                                 __NV_SATFINITE, kind)) << 16;
+  };
+  if (f == Fp8Format::kE4M3) convert(__NV_E4M3);  // the format's branch per N values, not per pair
+  else convert(__NV_E5M2);
+  if (s != s) {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) out[k] = 0x7f7f7f7fu;
+  }
 }
 
-// Two values quantized with multiplier s, as fp8::quantize does: the first in the low byte.
-// Mostly the hardware's conversion (two a cvt on sm_89+) of the float32 products; where one may
-// differ from the rule (rare: ties, the format's subnormals, NaN), the tie-corrected magnitudes
-// and the product's sign, NaN to 0x7F.
-__device__ __forceinline__ uint32_t quantize2(float x0, float x1, float s, Fp8Format f) {
-  const __nv_fp8_interpretation_t kind = f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
-  const float p0 = x0 * s, p1 = x1 * s;
-  if (!(needs_exact_path(p0, f) || needs_exact_path(p1, f)))
-    return __nv_cvt_float2_to_fp8x2(make_float2(p0, p1), __NV_SATFINITE, kind);
-  const float2 m = make_float2(magnitude_for_cvt(x0, s, f), magnitude_for_cvt(x1, s, f));
-  uint32_t q = __nv_cvt_float2_to_fp8x2(m, __NV_SATFINITE, kind);
-  q |= (__float_as_uint(p0) >> 31 << 7) | (__float_as_uint(p1) >> 31 << 15);
-  if (p0 != p0) q = (q & 0xff00u) | 0x7fu;
-  if (p1 != p1) q = (q & 0x00ffu) | 0x7f00u;
-  return q;
-}
+// A 16-byte chunk of T as words: the k-th value, the chunk's kPer values quantized (kPer bytes),
+// and running maxes of |x| kept per word (half types two at a time, on their bits: |x|'s bits
+// order as |x| does, NaN above Inf, and sm_90 takes the max of two 16-bit halves in one
+// instruction).
+template <typename T>
+struct Words {
+  static constexpr int kPer = 16 / int(sizeof(T));
+  static constexpr bool kPacked = sizeof(T) == 2;
+
+  __device__ __forceinline__ static float value(const uint4& c, int k) {
+    const uint32_t w = (&c.x)[kPacked ? k / 2 : k];
+    if constexpr (!kPacked) {
+      return __uint_as_float(w);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __uint_as_float(k % 2 ? w & 0xffff0000u : w << 16);
+    } else {
+      return __half2float(__ushort_as_half((unsigned short)(k % 2 ? w >> 16 : w & 0xffffu)));
+    }
+  }
+  // The running max of |x| of word w folded into acc (accs of the same word position).
+  __device__ __forceinline__ static uint32_t max_abs(uint32_t acc, uint32_t w) {
+    if constexpr (kPacked) return __vmaxu2(acc, w & 0x7fff7fffu);
+    else return max(acc, w & 0x7fffffffu);
+  }
+  __device__ __forceinline__ static uint32_t max_acc(uint32_t a, uint32_t b) {
+    if constexpr (kPacked) return __vmaxu2(a, b);
+    else return max(a, b);
+  }
+  // The float32 bits of |x| held in half h (0 or 1) of a packed acc.
+  __device__ __forceinline__ static uint32_t half_bits(uint32_t acc, int h) {
+    const uint32_t b = h ? acc >> 16 : acc & 0xffffu;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) return b << 16;
+    else return __float_as_uint(__half2float(__ushort_as_half((unsigned short)b)));
+  }
+  // The float32 bits of the larger |x| an acc holds.
+  __device__ __forceinline__ static uint32_t amax_bits(uint32_t acc) {
+    if constexpr (!kPacked) return acc;
+    else return half_bits(max(acc >> 16, acc & 0xffffu), 0);
+  }
+  __device__ __forceinline__ static uint32_t chunk_max(uint32_t acc, const uint4& c) {
+    acc = max_abs(acc, c.x);
+    acc = max_abs(acc, c.y);
+    acc = max_abs(acc, c.z);
+    return max_abs(acc, c.w);
+  }
+  // The chunk's kPer values quantized with s: 8 bytes (half types) or 4 (in x).
+  __device__ __forceinline__ static uint2 quantize(const uint4& c, float s, Fp8Format f) {
+    float x[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) x[k] = value(c, k);
+    uint32_t out[kPer / 4];
+    quantize_values(x, s, f, out);
+    if constexpr (kPer == 8) return make_uint2(out[0], out[1]);
+    else return make_uint2(out[0], 0u);
+  }
+};
 
 // 16 bytes global -> shared without registers (cp.async; zeros where `valid` is false).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -90,9 +145,9 @@ __device__ __forceinline__ void cp_async_wait_one() {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
-// A 128x128 tile in shared memory: rows of 16-byte chunks, a row's chunk j stored at j ^ (row %
-// 8), so that 8 lanes reading one chunk of 8 consecutive rows (the x^T pass) hit distinct banks,
-// as do 8 lanes reading 8 chunks of a row.
+// A 128x128 tile in shared memory: rows of 16-byte chunks, a row's chunk j stored at j ^ g(row),
+// g(row) = (row ^ row / 8) % 8, so that 8 lanes reading 8 chunks of a row (x's rows) hit distinct
+// banks, as do 8 lanes reading one chunk of rows 8 apart (x^T's rows).
 template <typename T>
 struct StagedTile {
   static constexpr int kPerChunk = 16 / int(sizeof(T));         // values in a chunk
@@ -101,17 +156,24 @@ struct StagedTile {
   unsigned char* base;
 
   __device__ __forceinline__ void* chunk(int row, int j) const {
-    return base + row * (kChunks * 16) + ((j ^ (row & 7)) * 16);
+    return base + row * (kChunks * 16) + ((j ^ ((row ^ (row >> 3)) & 7)) * 16);
   }
   __device__ __forceinline__ cuda::Vec<T, kPerChunk> load(int row, int j) const {
     return *reinterpret_cast<const cuda::Vec<T, kPerChunk>*>(chunk(row, j));
   }
+  __device__ __forceinline__ uint4 words(int row, int j) const {
+    return *reinterpret_cast<const uint4*>(chunk(row, j));
+  }
 };
 
-// Quantize the staged tile (stripe, cb) of x (rows x cols) into q and, with kTranspose, q_t:
-// x's rows a half or whole warp per row (a lane one chunk), x^T's rows a lane one chunk of a
-// row, a warp 32 rows at a time. warp_max: kWarps words of shared memory. Every thread of the
-// block calls it (the 128x128 amax synchronizes them).
+// Quantize the staged tile (stripe, cb) of x (rows x cols) into q and, with kTranspose, q_t.
+// x's rows: a warp 16 rows, 4 at a time, 8 lanes a row, a lane its chunks j, j + 8, ... (16
+// values); with 1x128 scaling each of the warp's first 16 lanes computes one row's scale. x^T's
+// rows: a lane rg (of 16) and half cc of a warp takes x's rows 8 rg .. 8 rg + 7 of a chunk of
+// columns and writes each column's 8 bytes at once; with 1x128 scaling the 16 lanes of a chunk
+// reduce its columns' amaxes together and each computes one column's scale. warp_max: kWarps
+// words of shared memory. Every thread of the block calls it (the 128x128 amax synchronizes
+// them).
 template <typename T, Fp8Scaling kScaling, bool kTranspose>
 __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t stripe,
                                               int64_t cb, int64_t rows, int64_t cols,
@@ -121,22 +183,30 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
                                               uint8_t* __restrict__ q_t,
                                               float* __restrict__ scale_inv_t,
                                               uint32_t* warp_max) {
+  using W = Words<T>;
   constexpr int kPer = StagedTile<T>::kPerChunk, kChunks = StagedTile<T>::kChunks;
-  constexpr int kLanesPerRow = kChunks, kRowsPerPass = 32 / kLanesPerRow;  // 16, 2 | 32, 1
+  constexpr int kLaneChunks = kChunks / 8;  // 2 | 4
+  constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
   const int64_t r0 = stripe * kFp8Block, c0 = cb * kFp8Block;
-  // x's rows: warp w takes rows 16 w .. 16 w + 15, kRowsPerPass at a time
-  const int sub = lane / kLanesPerRow, j = lane % kLanesPerRow;
+  const int rho = lane / 8, j = lane % 8;
+  // the lane's chunks of x's rows that lie in x (by 16-byte chunks: cols is a multiple of kPer)
+  const int lane_chunks = int(min(int64_t(kLaneChunks), (cols - c0 - j * kPer + 8 * kPer - 1) /
+                                                        (8 * kPer)));
+  uint4 v[4][kLaneChunks];  // x's rows: pass p, the lane's chunks
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+#pragma unroll
+    for (int i = 0; i < kLaneChunks; ++i) v[p][i] = tile.words(warp * 16 + p * 4 + rho, j + 8 * i);
   float tile_s = tensor_s;
   if constexpr (kScaling == Fp8Scaling::kBlock128x128) {
-    uint32_t amax = 0;
-    for (int p = 0; p < 16; p += kRowsPerPass) {
-      const cuda::Vec<T, kPer> v = tile.load(warp * 16 + p + sub, j);
+    uint32_t acc = 0;
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) amax = max(amax, abs_bits(to_acc(v.v[k])));
-    }
-    amax = block_amax(amax, warp_max);
+    for (int p = 0; p < 4; ++p)
+#pragma unroll
+      for (int i = 0; i < kLaneChunks; ++i) acc = W::chunk_max(acc, v[p][i]);
+    const uint32_t amax = block_amax(W::amax_bits(acc), warp_max);
     tile_s = fp8::multiplier(__uint_as_float(amax), f, pow2);
     if (threadIdx.x == 0) {  // rows of scales padded to 4 floats (fp8.h)
       const int64_t stripes = (rows + kFp8Block - 1) / kFp8Block;
@@ -144,57 +214,100 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
       if (kTranspose) scale_inv_t[cb * ((stripes + 3) / 4 * 4) + stripe] = 1.f / tile_s;
     }
   }
-  for (int p = 0; p < 16; p += kRowsPerPass) {
-    const int row = warp * 16 + p + sub;
-    const int64_t r = r0 + row, c = c0 + j * kPer;
-    const cuda::Vec<T, kPer> v = tile.load(row, j);
-    float s = tile_s;
-    if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
-      uint32_t amax = 0;
+  float s_row[4];  // the multiplier of the lane's row in pass p
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) amax = max(amax, abs_bits(to_acc(v.v[k])));
+  for (int p = 0; p < 4; ++p) s_row[p] = tile_s;
+  if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
+    uint32_t acc[4];
 #pragma unroll
-      for (int o = kLanesPerRow / 2; o > 0; o >>= 1)  // the row's lanes
-        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      s = fp8::multiplier(__uint_as_float(amax), f, pow2);
-      if (j == 0 && r < rows) scale_inv[cb * rows + r] = 1.f / s;
+    for (int p = 0; p < 4; ++p) {
+      acc[p] = 0;
+#pragma unroll
+      for (int i = 0; i < kLaneChunks; ++i) acc[p] = W::chunk_max(acc[p], v[p][i]);
+#pragma unroll
+      for (int o = 4; o > 0; o >>= 1)  // the row's 8 lanes
+        acc[p] = W::max_acc(acc[p], __shfl_xor_sync(kAll, acc[p], o));
     }
-    if (r >= rows || c >= cols) continue;
-    uint32_t out[kPer / 4];
+    // lane l (and l + 16) takes the warp's row l = 4 p + rho, whose amax lane 8 rho holds
+    uint32_t mine = 0;
 #pragma unroll
-    for (int k = 0; k < kPer / 4; ++k)
-      out[k] = quantize2(to_acc(v.v[4 * k]), to_acc(v.v[4 * k + 1]), s, f) |
-               quantize2(to_acc(v.v[4 * k + 2]), to_acc(v.v[4 * k + 3]), s, f) << 16;
-    if constexpr (kPer == 8)
-      *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(out[0], out[1]);
-    else
-      *reinterpret_cast<uint32_t*>(q + r * cols + c) = out[0];
+    for (int p = 0; p < 4; ++p) {
+      const uint32_t a = __shfl_sync(kAll, acc[p], (lane % 4) * 8);
+      if (p == (lane % 16) / 4) mine = a;
+    }
+    const float s = fp8::multiplier(__uint_as_float(W::amax_bits(mine)), f, pow2);
+    const int64_t r = r0 + warp * 16 + lane;
+    if (lane < 16 && r < rows) scale_inv[cb * rows + r] = 1.f / s;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) s_row[p] = __shfl_sync(kAll, s, 4 * p + rho);
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int64_t r = r0 + warp * 16 + p * 4 + rho;
+    if (r >= rows) continue;
+    uint8_t* dst = q + r * cols + c0 + j * kPer;
+#pragma unroll
+    for (int i = 0; i < kLaneChunks; ++i) {
+      if (i >= lane_chunks) continue;
+      const uint2 out = W::quantize(v[p][i], s_row[p], f);
+      if constexpr (kPer == 8) *reinterpret_cast<uint2*>(dst + 8 * i * kPer) = out;
+      else *reinterpret_cast<uint32_t*>(dst + 8 * i * kPer) = out.x;
+    }
   }
   if constexpr (kTranspose) {
-    // x^T's rows: warp w takes x's column chunks w, w + 8, ...; a lane rows lane + 32 i
-    for (int jc = warp; jc < kChunks; jc += kWarps) {
-      cuda::Vec<T, kPer> v[4];
+    const int rg = lane % 16, cc = lane / 16;
+    const int64_t r = r0 + 8 * rg;
+    // 8 aligned bytes of a column of q_t at once where they are
+    const bool whole = rows % 8 == 0 && r + 8 <= rows && cuda::aligned(q_t, 8);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = tile.load(lane + 32 * i, jc);
+    for (int it = 0; it < kChunks / 16; ++it) {
+      const int jc = 16 * it + 2 * warp + cc;
+      const int64_t col0 = c0 + jc * kPer;
+      const int n_cols = int(min(int64_t(kPer), cols - col0));  // of the chunk's, in x
+      uint4 t[8];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const int64_t col = c0 + jc * kPer + k;
-        float s = tile_s;
-        if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
-          uint32_t amax = 0;
+      for (int i = 0; i < 8; ++i) t[i] = tile.words(8 * rg + i, jc);
+      float s[kPer];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) amax = max(amax, abs_bits(to_acc(v[i].v[k])));
-          amax = warp_amax(amax);  // rows past x: zeros
-          s = fp8::multiplier(__uint_as_float(amax), f, pow2);
-          if (lane == 0 && col < cols) scale_inv_t[stripe * cols + col] = 1.f / s;
+      for (int k = 0; k < kPer; ++k) s[k] = tile_s;
+      if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
+        uint32_t acc[4] = {0, 0, 0, 0};  // per word position: its columns' |x| maxes
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          acc[0] = W::max_abs(acc[0], t[i].x);
+          acc[1] = W::max_abs(acc[1], t[i].y);
+          acc[2] = W::max_abs(acc[2], t[i].z);
+          acc[3] = W::max_abs(acc[3], t[i].w);
         }
-        if (col >= cols) continue;
-        const uint32_t out = quantize2(to_acc(v[0].v[k]), to_acc(v[1].v[k]), s, f) |
-                             quantize2(to_acc(v[2].v[k]), to_acc(v[3].v[k]), s, f) << 16;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t r = r0 + lane + 32 * i;
-          if (r < rows) q_t[col * rows + r] = uint8_t(out >> (8 * i));
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int o = 8; o > 0; o >>= 1)  // the chunk's 16 lanes (rows past x: zeros)
+            acc[w] = W::max_acc(acc[w], __shfl_xor_sync(kAll, acc[w], o));
+        // lane rg takes column rg % kPer's scale; the others' come by shuffles
+        const int k = rg % kPer, w = W::kPacked ? k / 2 : k;
+        const uint32_t word = w == 0 ? acc[0] : w == 1 ? acc[1] : w == 2 ? acc[2] : acc[3];
+        const uint32_t bits = W::kPacked ? W::half_bits(word, k % 2) : word;
+        const float mine = fp8::multiplier(__uint_as_float(bits), f, pow2);
+        if (rg < n_cols) scale_inv_t[stripe * cols + col0 + rg] = 1.f / mine;
+#pragma unroll
+        for (int kk = 0; kk < kPer; ++kk) s[kk] = __shfl_sync(kAll, mine, (lane & 16) | kk);
+      }
+      uint8_t* dst = q_t + col0 * rows + r;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k, dst += rows) {
+        if (k >= n_cols) continue;
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = W::value(t[i], k);
+        uint32_t out[2];
+        quantize_values(x, s[k], f, out);
+        if (whole) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(out[0], out[1]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (r + i < rows) dst[i] = uint8_t(out[i / 4] >> (8 * (i % 4)));
         }
       }
     }

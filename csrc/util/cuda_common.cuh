@@ -54,7 +54,7 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-inline bool aligned(const void* p, size_t bytes) {
+__host__ __device__ inline bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
