@@ -174,10 +174,15 @@ def find_cuda_home(env=os.environ) -> str | None:
 
 
 def gencode_flags(arch_list: str) -> list[str]:
-    """nvcc -gencode flags for a TORCH_CUDA_ARCH_LIST-style list such as "8.0;9.0+PTX"."""
+    """nvcc -gencode flags for a TORCH_CUDA_ARCH_LIST-style list such as "8.0;9.0+PTX"; an entry
+    "compute_80" (nvcc's name of a virtual arch) is PTX alone: compiled and checked by nvcc's
+    front end for that arch, without ptxas' machine code."""
     flags = []
     for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
         if not arch:
+            continue
+        if arch.startswith("compute_"):
+            flags.append(f"-gencode=arch={arch},code={arch}")
             continue
         sm = arch.removesuffix("+PTX").replace(".", "")
         flags.append(f"-gencode=arch=compute_{sm},code=sm_{sm}")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 20
+STEPS = {"cuda": 20, "cpu": 10}  # the CPU's gloo processes: half as many steps, half the time
 TOLERANCE = 4  # times the accumulation run's distance from the whole-batch run
 # One worker starts the processes (--dist loadgroup), beside the examples' distributed tests.
 pytestmark = [pytest.mark.xdist_group("examples"), pytest.mark.long]
@@ -115,7 +115,7 @@ def _train(tmp_path: Path, model: str, device: str, mode: str, procs: int) -> di
                                   if mode in ("fsdp", "hsdp") else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run([*launcher, str(script), model, device, mode, out, str(STEPS),
+    result = subprocess.run([*launcher, str(script), model, device, mode, out, str(STEPS[device]),
                              str(procs)],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, f"{mode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
