@@ -175,7 +175,8 @@ def bench(argv: list[str]) -> int:
                              "--model, the model also as fuse(model, fp8=) with each recipe "
                              "(and, with --peers, torchao's float8, compiled); with "
                              "--framework jax, fusedlayers.jax's FP8 ops beside XLA's bf16 "
-                             "(fusedlayers.bench.jax_fp8)")
+                             "(fusedlayers.bench.jax_fp8), and with --model the Flax and Keras "
+                             "Llamas with FP8 projections")
     memory = parser.add_argument_group(
         "memory", "--memory reports the activation memory of a training step, unfused vs fused, "
         "for a 12-block MLP stack and the --model models (fusedlayers.bench.memory)")
@@ -329,7 +330,7 @@ def _bench_keras_model(args) -> int:
     rows = km.run(args.model, tuple(int(b) for b in args.batch.split(",")) if args.batch else None,
                   tuple((args.precision or "mixed_bfloat16").split(",")), args.rounds,
                   args.steps, tiny=args.tiny, variants=tuple(args.jax_impl.split(";")),
-                  log=lambda line: print(line, flush=True))
+                  log=lambda line: print(line, flush=True), fp8=args.fp8)
     if args.json:
         km.write_json(args.json, rows, name)
     return 0

@@ -61,3 +61,39 @@ def test_fp8_dense_on_every_backend(backend, seed):
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=seed)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and f"ok {backend}" in out.stdout, out.stderr[-3000:]
+
+
+LLAMA_SCRIPT = textwrap.dedent("""
+    import numpy as np, keras
+    from fusedlayers import Fp8Recipe
+    from fusedlayers.bench import keras_models as km
+    config = km.CONFIGS["llama-lm-tiny"]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, config["vocab"], (4, config["seq"]), np.int32)
+    labels = np.roll(ids, -1, axis=1)  # a learnable target: the next id
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+
+    def losses(fp8):
+        keras.utils.set_random_seed(0)
+        model = km.build_llama(**config, fused=True, lm=True, fp8=fp8)
+        model.compile(keras.optimizers.AdamW(3e-3))
+        hist = model.fit([ids, labels], None, batch_size=2, epochs=10, verbose=0, shuffle=False)
+        return hist.history["loss"]
+    bf16, fp8 = losses(None), losses(Fp8Recipe())
+    assert fp8[-1] < fp8[0] * 0.95, fp8
+    worst = max(abs(a - b) for a, b in zip(fp8, bf16))
+    assert worst <= 0.01 * bf16[0], (worst, bf16, fp8)
+    print("ok", worst / bf16[0])
+""")
+
+
+def test_keras_llama_trains_in_fp8_beside_bf16():
+    """The bench's tiny Keras Llama language model (fused) on the JAX backend with its
+    projections as Fp8Dense (GatedMLP(recipe=)), under mixed_bfloat16: the same initial weights
+    as the bf16 model, and 20 AdamW steps whose epoch losses follow the bf16 model's within 1% of
+    the starting loss (the bench's Keras FP8 rows: test_bench.py)."""
+    pytest.importorskip("jax")
+    env = {**os.environ, "KERAS_BACKEND": "jax", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", LLAMA_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -104,3 +104,27 @@ def test_keras_gated_mlp(activation, rng):
     assert rel_err(torch.from_numpy(y), torch.from_numpy(keras.ops.convert_to_numpy(want))) <= 1e-5
     clone = KerasGatedMLP.from_config(layer.get_config())
     assert clone.get_config() == layer.get_config()
+
+
+def test_keras_gated_mlp_in_fp8(rng):
+    """GatedMLP(recipe=): its projections are Fp8Dense with the recipe (the plain layer's weight
+    names), the output is theirs around the fused activation, and the config keeps the recipe."""
+    keras = pytest.importorskip("keras")
+    from fusedlayers import Fp8Recipe
+    from fusedlayers.keras import Fp8Dense, GatedMLP as KerasGatedMLP
+    from fusedlayers.keras._layer import framework
+    recipe = Fp8Recipe("tensorwise")
+    layer, plain = KerasGatedMLP(48, recipe=recipe), KerasGatedMLP(48)
+    x = np.asarray(rng.normal((3, 5, 32)), np.float32)
+    y = keras.ops.convert_to_numpy(layer(x))
+    plain(x)
+    assert [w.path for w in layer.weights] == [w.path.replace(plain.name, layer.name)
+                                               for w in plain.weights]
+    for proj in (layer.gate_proj, layer.up_proj, layer.down_proj):
+        assert isinstance(proj, Fp8Dense) and proj.recipe == recipe
+    fl = framework("test")  # the backend's fusedlayers package
+    want = layer.down_proj(fl.swiglu(layer.gate_proj(x), layer.up_proj(x)))
+    assert np.array_equal(y, keras.ops.convert_to_numpy(want))
+    clone = KerasGatedMLP.from_config(layer.get_config())
+    assert clone.recipe == recipe and clone.get_config() == layer.get_config()
+    assert KerasGatedMLP.from_config(plain.get_config()).recipe is None

@@ -23,6 +23,10 @@ blocks' adds across blocks included), SwiGLU, RoPE, and the head and loss as one
 LinearCrossEntropy; the head's weight transposed from the Dense kernel. The first forward's
 losses are compared.
 
+With fp8 (`--fp8`, the Llama models) the fused model also with its attention and MLP
+projections as fusedlayers.keras.Fp8Dense (GatedMLP(recipe=)), blockwise and tensorwise, a row
+each; the head stays in the compute dtype.
+
 `tiny` shrinks each to 2 blocks of width 64 for a quick run on the CPU. Mixed precision as
 Keras' "mixed_bfloat16" policy (bfloat16 compute, float32 variables) or float32. A step is
 `model.fit` on one batch: forward, the mean square of the last hidden state, backward, AdamW.
@@ -36,6 +40,7 @@ fused kernels.
 
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -60,7 +65,7 @@ FUSED_OPS = {"bert-base": ("layer_norm", "linear_gelu"), "llama": ("rms_norm", "
 DEFAULT_BATCHES = {"bert-base": {"gpu": (16, 32), "cpu": (4,)},
                    "llama": {"gpu": (2, 4), "cpu": (4,)},
                    "llama-lm": {"gpu": (4,), "cpu": (2,)}, "llama-lm-128k": {"gpu": (4,), "cpu": (2,)}}
-HEADER = (f"{'model':<15}{'batch':>6} {'precision':<15}{'unfused ms':>11}{'fused ms':>10}"
+HEADER = (f"{'model':<28}{'batch':>6} {'precision':<15}{'unfused ms':>11}{'fused ms':>10}"
           f"{'speedup':>9}{'1st fwd diff':>14}")
 
 
@@ -111,15 +116,19 @@ def build_bert(blocks: int, width: int, heads: int, mlp: int, vocab: int, seq: i
 
 
 def build_llama(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: int,
-                seq: int, fused: bool = False, lm: bool = False):
+                seq: int, fused: bool = False, lm: bool = False, fp8=None):
     """Llama decoder blocks as a functional keras.Model from token ids (batch, seq) int32 to the
     last normalized hidden state (batch, seq, width): with keras.ops' rotation and SwiGLU, or
     (fused) fusedlayers.keras's layers, their weights created in the same order. lm: from token
-    ids and labels to the mean next-token loss (the module docstring)."""
+    ids and labels to the mean next-token loss (the module docstring). fp8 (a
+    fusedlayers.Fp8Recipe, with fused): the projections as Fp8Dense with that recipe."""
+    import functools
+
     keras = _keras()
     from keras import layers, ops
 
     import fusedlayers.keras as flk
+    Dense = functools.partial(flk.Fp8Dense, recipe=fp8) if fp8 else layers.Dense
 
     class UnfusedRotaryEmbedding(flk.RotaryEmbedding):
         """KerasHub's rotation of (batch, seq, heads, dim) in keras.ops."""
@@ -137,10 +146,10 @@ def build_llama(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vo
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             dense = dict(use_bias=False, dtype=self.dtype_policy)
-            self.q_proj = layers.Dense(heads * (width // heads), **dense)
-            self.k_proj = layers.Dense(kv_heads * (width // heads), **dense)
-            self.v_proj = layers.Dense(kv_heads * (width // heads), **dense)
-            self.o_proj = layers.Dense(width, **dense)
+            self.q_proj = Dense(heads * (width // heads), **dense)
+            self.k_proj = Dense(kv_heads * (width // heads), **dense)
+            self.v_proj = Dense(kv_heads * (width // heads), **dense)
+            self.o_proj = Dense(width, **dense)
             self.rotary = (flk.RotaryEmbedding if fused else UnfusedRotaryEmbedding)(
                 max_wavelength=500000, dtype=self.dtype_policy)
 
@@ -162,26 +171,26 @@ def build_llama(blocks: int, width: int, heads: int, kv_heads: int, mlp: int, vo
         y = flk.RMSNorm(epsilon=1e-5)(x)
         for _ in range(blocks):
             y, x = flk.AddRMSNorm(epsilon=1e-5)(Attention()(y), x)
-            y, x = flk.AddRMSNorm(epsilon=1e-5)(flk.GatedMLP(mlp)(y), x)
+            y, x = flk.AddRMSNorm(epsilon=1e-5)(flk.GatedMLP(mlp, recipe=fp8)(y), x)
         labels = keras.Input((seq,), dtype="int32")
         return keras.Model([ids, labels], flk.LinearCrossEntropy(vocab)(y, labels))
     for _ in range(blocks):
         x = x + Attention()(layers.RMSNormalization(epsilon=1e-5)(x))
-        mlp_layer = flk.GatedMLP(mlp) if fused else UnfusedGatedMLP(mlp)
+        mlp_layer = flk.GatedMLP(mlp, recipe=fp8) if fused else UnfusedGatedMLP(mlp)
         x = x + mlp_layer(layers.RMSNormalization(epsilon=1e-5)(x))
     y = layers.RMSNormalization(epsilon=1e-5)(x)
     return keras.Model(ids, layers.Dense(vocab, use_bias=False)(y) if lm else y)
 
 
-def _models(name: str, config: dict):
-    """(unfused, fused) with the same weights."""
+def _models(name: str, config: dict, fp8=None):
+    """(unfused, fused) with the same weights; fp8: build_llama's."""
     import fusedlayers.keras as flk
     if name == "bert-base":
         unfused = build_bert(**config)
         return unfused, flk.fuse(unfused)
     lm = name.startswith("llama-lm")
     unfused = build_llama(**config, lm=lm)
-    fused = build_llama(**config, fused=True, lm=lm)
+    fused = build_llama(**config, fused=True, lm=lm, fp8=fp8)
     fused = fused if lm else flk.fuse(fused)
     weights = unfused.get_weights()
     if lm:  # the head: a Dense kernel (width, vocab), LinearCrossEntropy's (vocab, width)
@@ -203,17 +212,22 @@ def _compile(model, lm: bool, fused: bool):
 
 
 def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = False,
-        variants=("",), log=print) -> list[KerasModelRow]:
+        variants=("",), log=print, fp8: bool = False) -> list[KerasModelRow]:
     """variants: FUSEDLAYERS_JAX_IMPL settings (fusedlayers.jax._impl) the fused model is traced
     under, one row each ("" for the defaults), each timed in A/B rounds against the unfused
-    model."""
+    model; fp8 (the Llama models): also a row for the fused model in FP8 with each recipe, under
+    the defaults."""
     keras = _keras()
     import jax
     import numpy as np
 
+    from ..fp8_recipe import Fp8Recipe
+
     if name not in FUSED_OPS:
         raise ValueError(f"the Keras model bench's model must be one of "
                          f"{', '.join(FUSED_OPS)}, got {name!r}")
+    cases = [(v, None) for v in variants] + [
+        ("", Fp8Recipe(s)) for s in ("blockwise", "tensorwise") if fp8 and name != "bert-base"]
     config = CONFIGS[f"{name}-tiny" if tiny else name]
     gpu = jax.devices()[0].platform == "gpu"
     lm = name.startswith("llama-lm")
@@ -230,15 +244,16 @@ def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = Fa
                 target = np.zeros((steps * batch, 1), np.float32)  # the loss ignores it
                 inputs = {"unfused": (ids, target), "fused": (ids, target)}
             unfused, unfused_error = None, None
-            for variant in variants:
+            for variant, recipe in cases:
                 keras.utils.set_random_seed(0)
                 previous = os.environ.get("FUSEDLAYERS_JAX_IMPL")
                 os.environ["FUSEDLAYERS_JAX_IMPL"] = variant
-                label = (name if not tiny else f"{name}-tiny") + (f" [{variant}]" if variant
-                                                                   else "")
+                label = (name if not tiny else f"{name}-tiny") + (
+                    f" [{variant}]" if variant else "") + (f" fp8 {recipe.scaling}" if recipe
+                                                           else "")
                 key = "unfused"
                 try:
-                    built, fused = _models(name, config)  # the same initial weights
+                    built, fused = _models(name, config, recipe)  # the same initial weights
                     diff = _first_forward_diff(built, fused, lm, ids[:batch],
                                                labels[:batch] if lm else None)
                     if unfused is None and unfused_error is None:
@@ -253,7 +268,7 @@ def run(name: str, batches, precisions, rounds: int, steps: int, tiny: bool = Fa
                             unfused_error = did_not_run(e)
                     key = "fused"
                     _check_program(name, fused, variant, lm, ids[:batch],
-                                   labels[:batch] if lm else None)
+                                   labels[:batch] if lm else None, fp8=recipe is not None)
                     _compile(fused, lm, True)
                     fused.fit(*inputs["fused"], batch_size=batch, epochs=1, verbose=0)  # traced
                 except Exception as e:  # noqa: BLE001 (out of memory: the row says so)
@@ -302,21 +317,23 @@ def _first_forward_diff(unfused, fused, lm: bool, ids, labels) -> float:
     return float(np.linalg.norm(b - a) / np.linalg.norm(a))
 
 
-def _check_program(name: str, fused, variant: str, lm: bool, ids, labels) -> None:
-    """The fused model's program calls fusedlayers' kernels (those the variant leaves)."""
+def _check_program(name: str, fused, variant: str, lm: bool, ids, labels,
+                   fp8: bool = False) -> None:
+    """The fused model's program calls fusedlayers' kernels (those the variant leaves; with fp8
+    the FP8 quantization and GEMM too)."""
     import jax
     lowered = (jax.jit(lambda x, t: fused([x, t])).lower(ids, labels) if lm
                else jax.jit(lambda x: fused(x)).lower(ids)).as_text()
     xla = {item.split("=")[0] for item in variant.split(",") if item.endswith("=xla")}
-    missing = [op for op in FUSED_OPS[name]
-               if op not in xla and f"fusedlayers_{op}_" not in lowered]
+    missing = [op for op in FUSED_OPS[name] + (("fp8_quantize", "fp8_gemm") if fp8 else ())
+               if op not in xla and not re.search(rf"fusedlayers_{op}(?![a-z0-9])", lowered)]
     if missing:
         raise RuntimeError(f"the fused model's program does not call fusedlayers' kernels "
                            f"{missing}:\n{getattr(fused, 'fusedlayers_report', '')}")
 
 
 def format_row(r: KerasModelRow) -> str:
-    lead = f"{r.model:<15}{r.batch:>6} {r.precision:<15}"
+    lead = f"{r.model:<28}{r.batch:>6} {r.precision:<15}"
     if r.not_run:
         return lead + r.not_run
     return (f"{lead}{r.unfused_ms:>11.2f}{r.fused_ms:>10.2f}{r.speedup:>8.2f}x"

@@ -6,6 +6,7 @@ import dataclasses
 
 import keras
 from keras import activations
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 from ..fp8_recipe import Fp8Recipe
 from ._layer import DenseWeights, framework
@@ -20,7 +21,9 @@ class Fp8Dense(DenseWeights):
     blockwise E4M3). The kernel stays a variable of the variable dtype; under a mixed policy
     Keras hands the call its compute-dtype copy, as Dense computes, which is quantized each
     call (its gradient reaches the float32 variable through that cast). Sizes
-    off the FP8 GEMMs' rule (in_features or units not multiples of 16) compute as Dense does.
+    off the FP8 GEMMs' rule (in_features or units not multiples of 16) compute as Dense does, as
+    does Keras' shape inference (its symbolic scope: a functional model's construction, which
+    on JAX traces symbolic batch sizes; nothing computed there runs).
     On TensorFlow the FP8 ops run outside XLA (compile the model with jit_compile=False) and the
     GEMM on the CPU. Input (..., in_features) -> output (..., units)."""
 
@@ -33,7 +36,7 @@ class Fp8Dense(DenseWeights):
     def call(self, inputs):
         # .value: the variable in the compute dtype inside call (Keras' autocast)
         kernel, bias = self.kernel.value, None if self.bias is None else self.bias.value
-        if self.kernel.shape[0] % 16 or self.units % 16:
+        if self.kernel.shape[0] % 16 or self.units % 16 or in_symbolic_scope():
             y = keras.ops.matmul(inputs, keras.ops.cast(kernel, self.compute_dtype))
             if bias is not None:
                 y = y + keras.ops.cast(bias, self.compute_dtype)
