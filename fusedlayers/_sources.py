@@ -273,8 +273,10 @@ def csrc_archive(cuda: bool, sm90: bool, gemm: bool, abi: int, archs: str = "",
             return nvcc_sm90
         return [*nvcc, *(f"-I{d}" for d in gemm_include)] if src.name in GEMM_SOURCES else nvcc
 
-    # the Hopper kernels first: the longest compiles start before the short ones
-    sources = sorted(csrc_sources(ROOT, cuda, sm90, gemm), key=lambda p: not is_sm90(p))
+    # the longest compiles first, so that none starts last and runs alone: the Hopper kernels,
+    # then the CUDA kernels, larger sources (more instantiations) first, then the C++ sources
+    sources = sorted(csrc_sources(ROOT, cuda, sm90, gemm),
+                     key=lambda p: (not is_sm90(p), p.suffix != ".cu", -p.stat().st_size))
     objects = _parallel(lambda src: compile_cached(command(src), src, verbose), sources)
     name = hashlib.sha256(" ".join(o.name for o in objects).encode()).hexdigest()[:24]
     archive = object_cache() / f"libfusedlayers_csrc_{name}.a"
