@@ -231,3 +231,25 @@ def test_example_trains_in_fp8(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "fusedlayers.torch.Fp8Linear (blockwise" in run.stdout
     assert "left    lm_head: torch.nn.Linear: fp8: the output embeddings" in run.stdout
+
+
+def test_one_quantization_per_tensor(seed):
+    """Three Fp8Linear layers reading one tensor (attention's q, k, v) quantize it once and save
+    one x^T, with the outputs and gradients of three quantizations; an in-place change makes the
+    next read quantize again."""
+    fp8_module = importlib.import_module("fusedlayers.torch.fp8")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 128, generator=g).bfloat16().requires_grad_()
+    layers = [Fp8Linear(128, 64, bias=False, dtype=torch.bfloat16) for _ in range(3)]
+    separate = [layer(x.clone()) for layer in layers]
+    shared = [layer(x) for layer in layers]
+    assert fp8_module._QUANTIZED[x].reads == [3]
+    dys = [torch.randn(32, 64, generator=g).bfloat16() for _ in layers]
+    grads = [torch.autograd.grad(ys, [x, *(m.weight for m in layers)], dys)
+             for ys in (separate, shared)]
+    assert all(torch.equal(a, b) for a, b in zip(separate, shared))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with torch.no_grad():
+        x.mul_(2)
+        assert torch.equal(layers[0](x), layers[0](x.clone()))
+    assert fp8_module._QUANTIZED[x].reads == [1]

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.utils.weak
 
 from . import _op
 
@@ -155,3 +156,40 @@ def _multiplier(block: np.ndarray, fmt_max: float, power_of_2: bool) -> np.float
         s = np.float32(fmt_max) / amax  # float32 division, as the kernels
     s = min(s, np.finfo(np.float32).max)
     return np.float32(2.0 ** np.floor(np.log2(s))) if power_of_2 else np.float32(s)
+
+
+# ---------------------------------------------------------------- one quantization per tensor
+# The FP8 quantizations of the tensors FP8 layers read, keyed by the tensor object itself (the
+# same object wherever one module's output feeds several layers: attention's q, k and v
+# projections) and checked against its version counter (an in-place change invalidates it). An
+# entry lives as long as its tensor. Eager only: under torch.compile every layer quantizes its
+# own input and the compiler's CSE merges what repeats.
+_QUANTIZED = torch.utils.weak.WeakIdKeyDictionary()
+
+
+class _Entry(NamedTuple):
+    version: int
+    key: tuple  # (scaling, format, power_of_2_scales)
+    quantized: Fp8Quantized
+    reads: list  # [count]: how many layers read it
+
+
+def quantize_input(x: torch.Tensor, scaling: str, format: str, transpose: bool,
+                   power_of_2_scales: bool) -> Fp8Quantized:
+    """fp8_quantize(x.reshape(-1, cols), ...) read from the record of x where one matches (same
+    version, scaling, format and scales, x^T present where asked), else computed and recorded:
+    layers reading one tensor quantize it once and save one x^T for their weight gradients."""
+    cols = x.shape[-1]
+    if torch.compiler.is_compiling():
+        return fp8_quantize(x.reshape(-1, cols), scaling, format, transpose, power_of_2_scales)
+    entry = _QUANTIZED.get(x)
+    if entry is None or entry.version != x._version or \
+            entry.key != (scaling, format, power_of_2_scales) or \
+            (transpose and entry.quantized.data_t is None):
+        entry = _Entry(x._version, (scaling, format, power_of_2_scales),
+                       fp8_quantize(x, scaling, format, transpose, power_of_2_scales), [0])
+        _QUANTIZED[x] = entry
+    entry.reads[0] += 1
+    q = entry.quantized
+    return Fp8Quantized(q.data.reshape(-1, cols), q.scale_inv, q.data_t if transpose else None,
+                        q.scale_inv_t if transpose else None)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fp8_recipe import Fp8Recipe
-from .fp8 import Fp8Quantized, fp8_quantize
+from .fp8 import Fp8Quantized, fp8_quantize, quantize_input
 from .fp8_gemm import dequantize, fp8_gemm
 
 __all__ = ["Fp8Linear", "fp8_dense", "fp8_linear"]
@@ -42,7 +42,7 @@ class _Fp8Linear(torch.autograd.Function):
         dgrad = "dgrad" in gemms and x.requires_grad
         pow2 = recipe.power_of_2_scales
         if "fprop" in gemms or wgrad:
-            qx = fp8_quantize(x2, recipe.input_scaling, "e4m3", wgrad, pow2)
+            qx = quantize_input(x, recipe.input_scaling, "e4m3", wgrad, pow2)
         if "fprop" in gemms or dgrad:
             qw = fp8_quantize(weight, recipe.weight_scaling, "e4m3", dgrad, pow2)
         if "fprop" in gemms:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8_recipe import Fp8Recipe
-from .fp8 import Fp8Quantized, fp8_quantize
+from .fp8 import Fp8Quantized, fp8_quantize, quantize_input
 from .fp8_gated import fp8_gated, fp8_gated_backward
 from .fp8_gemm import fp8_gemm
 from .fp8_linear import MULTIPLE, Fp8Linear, _out_dtype, fp8_linear
@@ -42,10 +42,9 @@ class _Fp8GatedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, activation: str, recipe: Fp8Recipe, out_dtype):
-        x2 = x.reshape(-1, x.shape[-1])
         s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
         w_gu = w_gate if w_up is None else torch.cat([w_gate, w_up])
-        qx = fp8_quantize(x2, s_in, "e4m3", True, pow2)
+        qx = quantize_input(x, s_in, "e4m3", True, pow2)
         qw_gu = fp8_quantize(w_gu, s_w, "e4m3", True, pow2)
         del w_gu  # a stacked copy: not held beside what follows
         gate_up = fp8_gemm(qx, s_in, qw_gu, s_w, out_dtype)
