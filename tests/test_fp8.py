@@ -190,20 +190,11 @@ def test_bench_rows_on_the_cpu():
         (s, t, p or "") for _, s, t, p in fp8_bench.cases("cpu"))
     assert all(r.gbs > 0 for r in rows)
     assert {r.impl for r in rows if not r.producer} == {"fusedlayers", "eager"}
-    assert {r.impl for r in rows if r.producer in ("swiglu", "swiglu'")} == {
-        "fusedlayers", "two ops", "eager"}
-    assert {r.impl for r in rows if "rmsnorm" in r.producer} == {
-        "fusedlayers", "two ops", "norm alone", "eager"}
+    assert {r.impl for r in rows if r.producer} == {"fusedlayers", "two ops", "eager"}
     # the producers' eager rows compute what the fused ops do
     fns, _ = fp8_bench.producer_fns("swiglu'", torch.randn(128, 128, dtype=torch.bfloat16),
                                     "1x128", False)
     ours, theirs = fns["fusedlayers"](), fns["eager"]()
-    deq = [q.float() * _per_value(s, q.shape, "1x128") for q, s in
-           ((ours.data, ours.scale_inv), theirs[:2])]
-    assert (deq[0] - deq[1]).norm() <= 0.1 * deq[0].norm()
-    fns, _ = fp8_bench.norm_fns("add+rmsnorm", torch.randn(128, 256, dtype=torch.bfloat16),
-                                "1x128", False)
-    (_, _, ours), (theirs, _) = fns["fusedlayers"](), fns["eager"]()
     deq = [q.float() * _per_value(s, q.shape, "1x128") for q, s in
            ((ours.data, ours.scale_inv), theirs[:2])]
     assert (deq[0] - deq[1]).norm() <= 0.1 * deq[0].norm()

@@ -55,11 +55,6 @@ struct AddNormBackward {
 };
 
 RowsCols add_norm_forward_check(const AddNormForward& a);
-// The same rules for an op built on this forward (fp8/fp8_norm.h), its errors naming `op`; the
-// residual may be undefined (the plain norm: no h).
-RowsCols check_add_norm_forward(const char* op, const AddNormForward& a);
-// The norm kernels' arguments of a checked forward (the residual's only where it is defined).
-NormForwardArgs add_norm_args(const AddNormForward& a, RowsCols rc);
 RowsCols add_norm_backward_check(const AddNormBackward& a);
 
 // Run the pass on exec's device; a must have passed its check.

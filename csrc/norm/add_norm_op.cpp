@@ -41,33 +41,24 @@ const char* add_norm_name(NormMode mode) {
 }
 
 RowsCols add_norm_forward_check(const AddNormForward& a) {
-  return check_add_norm_forward(add_norm_name(a.mode), a);
-}
-
-RowsCols check_add_norm_forward(const char* op, const AddNormForward& a) {
   check_mode(a.mode);
+  const char* op = add_norm_name(a.mode);
   const RowsCols rc = check_norm_input(op, a.x, a.normalized_shape);
-  if (a.residual.defined) check_residual(op, "residual", a.residual, a.x, "x", a.x.dtype);
+  check_residual(op, "residual", a.residual, a.x, "x", a.x.dtype);
   check_params(op, a.mode, a.x, a.normalized_shape, a.weight, a.bias);
   check_eps(op, a.eps);
   return rc;
 }
 
-NormForwardArgs add_norm_args(const AddNormForward& a, RowsCols rc) {
+void add_norm_forward(const AddNormForward& a, RowsCols rc, const Exec& exec) {
   NormForwardArgs n{a.x.data, data_if(a.weight), data_if(a.bias), a.y,
                     a.mode == NormMode::kLayer ? a.mean : nullptr, a.rstd, rc.rows, rc.cols,
                     a.eps, a.zero_centered ? 1.0f : 0.0f, a.mode, a.x.dtype,
                     norm_param_dtype(a.x, a.weight, a.bias)};
-  if (a.residual.defined) {
-    n.residual = a.residual.data;
-    n.h = a.h;
-    n.residual_dtype = a.residual.dtype;
-  }
-  return n;
-}
-
-void add_norm_forward(const AddNormForward& a, RowsCols rc, const Exec& exec) {
-  norm_forward(add_norm_args(a, rc), exec);
+  n.residual = a.residual.data;
+  n.h = a.h;
+  n.residual_dtype = a.residual.dtype;
+  norm_forward(n, exec);
 }
 
 RowsCols add_norm_backward_check(const AddNormBackward& a) {

@@ -12,10 +12,7 @@ The fused producers' rows (output "swiglu", "swiglu'"): fp8_gated (SwiGLU's outp
 with its x^T, from the halves of one gate/up projection) and fp8_gated_backward ([dgate | dup]
 quantized with its transpose), beside the two ops they replace (fusedlayers' swiglu then
 fp8_quantize) and stock torch eager and compiled; their bytes: gate and up (and dy) read once,
-the FP8 values written. The norms' rows (output "rmsnorm", "add+rmsnorm"): fp8_rms_norm (y and
-its FP8 form with y^T; with a residual, h too) beside the two ops it replaces (rms_norm or
-add_rms_norm, then fp8_quantize), the bf16 norm alone, and stock torch eager and compiled; their
-bytes: x (and the residual) read once, y (and h) and the FP8 values written.
+the FP8 values written.
 """
 
 import statistics
@@ -25,7 +22,7 @@ import torch
 
 import torch.nn.functional as F
 
-from ..torch import fp8_quantize, fp8_rms_norm, swiglu
+from ..torch import fp8_quantize, swiglu
 from ..torch.fp8_gated import fp8_gated, fp8_gated_backward
 from .ops import copy_bandwidth_gbs, time_rounds
 from .table import format_speedup, speedup
@@ -53,46 +50,15 @@ class Fp8Row:
 
 def cases(device_type: str) -> list[tuple]:
     """(shape, scaling, transpose, producer): activations and their x^T (1x128, tensorwise), a
-    weight, the gated activation's FP8 forms (producer "swiglu" / "swiglu'") and the norms'
-    ("rmsnorm", "add+rmsnorm")."""
+    weight, and the gated activation's FP8 forms (producer "swiglu" / "swiglu'")."""
     if device_type != "cuda":
         return [((1024, 1024), s, t, None) for s in ("1x128", "tensorwise")
                 for t in (False, True)] + [((1024, 1024), "128x128", True, None)] + \
-            [((256, 1024), "1x128", True, p) for p in ("swiglu", "swiglu'")] + \
-            [((256, 1024), "1x128", True, p) for p in ("rmsnorm", "add+rmsnorm")]
+            [((256, 1024), "1x128", True, p) for p in ("swiglu", "swiglu'")]
     acts = [((8192, 4096), s, t, None) for s in ("1x128", "tensorwise") for t in (False, True)]
     acts += [((8192, 14336), "1x128", t, None) for t in (False, True)]
     return acts + [((4096, 14336), "128x128", True, None)] + \
-        [((8192, 14336), "1x128", True, p) for p in ("swiglu", "swiglu'")] + \
-        [((8192, 4096), "1x128", True, p) for p in ("rmsnorm", "add+rmsnorm")]
-
-
-def norm_fns(producer: str, x: torch.Tensor, scaling: str, compile: bool):
-    """The RMSNorm writing FP8 (with a residual for "add+rmsnorm") on x: fused, as fusedlayers'
-    two ops, the norm alone, in torch eager and compiled; and its bytes."""
-    cols = x.shape[-1]
-    w = torch.randn(cols, device=x.device, dtype=x.dtype)
-    res = torch.randn_like(x) if producer == "add+rmsnorm" else None
-    norm = torch.ops.fusedlayers
-
-    def plain():
-        if res is None:
-            return norm.rms_norm(x, [cols], w, 1e-6)[0]
-        return norm.add_rms_norm(x, res, [cols], w, 1e-6)[0]
-
-    def eager(x, res, w):
-        h = x if res is None else x + res
-        return unfused(F.rms_norm(h, (cols,), w, 1e-6), scaling, True), h
-    fns = {"fusedlayers": lambda: fp8_rms_norm(x, cols, w, 1e-6, res, scaling=scaling,
-                                               transpose=True),
-           "two ops": lambda: fp8_quantize(plain(), scaling, "e4m3", True),
-           "norm alone": plain,
-           "eager": lambda: eager(x, res, w)}
-    if compile:
-        compiled = torch.compile(eager, dynamic=False)
-        fns["compile"] = lambda: compiled(x, res, w)
-    streams = 2 if res is None else 4  # x, y (residual, h)
-    return fns, x.numel() * (streams * x.element_size() + 2)
+        [((8192, 14336), "1x128", True, p) for p in ("swiglu", "swiglu'")]
 
 
 def unfused(x: torch.Tensor, scaling: str, transpose: bool):
@@ -157,9 +123,7 @@ def run(device: str = "cuda", rounds: int = 5, reps: int = 20, compile: bool = T
     rows = []
     for shape, scaling, transpose, producer in cases(dev.type):
         x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-        if producer in ("rmsnorm", "add+rmsnorm"):
-            fns, work = norm_fns(producer, x, scaling, compile)
-        elif producer:
+        if producer:
             fns, work = producer_fns(producer, x, scaling, compile)
         else:
             fns = {"fusedlayers": lambda: fp8_quantize(x, scaling, "e4m3", transpose),

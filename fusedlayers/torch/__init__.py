@@ -12,13 +12,11 @@ from .fp8_gated import fp8_gated, fp8_gated_backward
 from .fp8_gemm import fp8_gemm
 from .fp8_linear import Fp8Linear, fp8_dense, fp8_linear
 from .fp8_mlp import fp8_gated_mlp
-from .fp8_norm import fp8_layer_norm, fp8_rms_norm
 from .fuse import FuseReport, fuse
 from .linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["AdamW", "Fp8Linear", "Fp8Quantized", "FuseReport", "NotBuiltError", "fp8_gated",
-           "fp8_dense", "fp8_gated_backward", "fp8_gated_mlp", "fp8_gemm", "fp8_layer_norm",
-           "fp8_linear", "fp8_quantize", "fp8_rms_norm",
+           "fp8_dense", "fp8_gated_backward", "fp8_gated_mlp", "fp8_gemm", "fp8_linear", "fp8_quantize",
            "fuse",
            "linear_cross_entropy",
            *_ops.export(__name__, globals(), "torch")]

@@ -171,17 +171,7 @@ class _Entry(NamedTuple):
     version: int
     key: tuple  # (scaling, format, power_of_2_scales)
     quantized: Fp8Quantized
-    reads: list  # [count]: how many layers read it (fusedlayers.torch.fp8_norm stops writing
-    #              FP8 where no layer does)
-
-
-def remember(x: torch.Tensor, quantized: Fp8Quantized, scaling: str, format: str,
-             power_of_2_scales: bool) -> list:
-    """Record `quantized` as x's quantization (as fp8_quantize(x, scaling, format, ...) returns
-    it); returns the record's read counter."""
-    reads = [0]
-    _QUANTIZED[x] = _Entry(x._version, (scaling, format, power_of_2_scales), quantized, reads)
-    return reads
+    reads: list  # [count]: how many layers read it
 
 
 def quantize_input(x: torch.Tensor, scaling: str, format: str, transpose: bool,

@@ -31,10 +31,7 @@ What is recognised is structure, not class names:
 - with `fp8=recipe`, every other nn.Linear becomes `Fp8Linear` (its GEMMs in FP8 as the recipe
   says), but a model's output embeddings (the LM head) and a mixture-of-experts router (a
   linear `gate`/`router` beside an `experts` module), which stay in their dtype as in
-  Transformer Engine and torchao, and layers whose sizes are not multiples of 16; and the
-  fused norms write their output in FP8 too, in the pass that normalizes, for the FP8 layers
-  that read it (fusedlayers.torch.fp8_norm.produce: a norm whose output no FP8 layer reads
-  stops after one forward).
+  Transformer Engine and torchao, and layers whose sizes are not multiples of 16.
 
 Every swap is checked on a probe input against the layers it replaces before it is made; one
 that does not match is not made and is reported. Probing forks the RNG, so the model's random
@@ -229,9 +226,6 @@ def _fuse_fp8_linears(model: nn.Module, report: FuseReport, recipe: Fp8Recipe) -
         _set(model, path, Fp8Linear.from_linear(module, recipe).train(module.training))
         report.swapped.append((path, _describe(module), f"{class_name(Fp8Linear)} "
                                f"({recipe.scaling}, {recipe.format}, {'+'.join(recipe.gemms)})"))
-    for module in model.modules():
-        if type(module) in (RMSNorm, LayerNorm):
-            module.fp8, module._fp8_reads = recipe, None
 
 
 # ---------------------------------------------------------------- probes

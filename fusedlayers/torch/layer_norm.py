@@ -14,7 +14,6 @@ from torch import nn
 from .. import _args
 from ..bench.case import Case, memory_work
 from . import _op
-from .fp8_norm import produce
 
 __all__ = ["LayerNorm", "layer_norm", "layer_norm_trailing"]
 layer_norm_op = _op.handle("layer_norm")
@@ -64,7 +63,6 @@ class LayerNorm(nn.Module):
         self.eps = _args.real("LayerNorm", "eps", eps)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
-        self.fp8 = None  # fuse(model, fp8=recipe)'s: the FP8 layers it feeds (fp8_norm.produce)
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
             if bias:
@@ -96,9 +94,6 @@ class LayerNorm(nn.Module):
             ([], False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        produced = self.fp8 and produce(self, False, x, None, self.eps)
-        if produced:
-            return produced[0]
         return layer_norm_op(x, self.normalized_shape, self.weight, self.bias, self.eps,
                              self.memory_efficient)[0]
 

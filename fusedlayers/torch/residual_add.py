@@ -24,7 +24,6 @@ from torch import nn
 from .add_layer_norm import add_layer_norm_op
 from .add_rms_norm import _eps as _add_rms_eps
 from .add_rms_norm import add_rms_norm_op
-from .fp8_norm import produce
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
 from .rope import forward_chain, rewrapped
@@ -36,12 +35,7 @@ _Y = "_fusedlayers_y"
 def add_norm(norm: nn.Module, a: torch.Tensor, b: torch.Tensor):
     """(norm(a + b), a + b), one fused pass where the op computes exactly that."""
     if _fusable(norm, a, b):
-        rms = isinstance(norm, RMSNorm)
-        produced = norm.fp8 and produce(norm, rms, a, b,
-                                        _add_rms_eps(norm.eps, a) if rms else norm.eps)
-        if produced:
-            return produced
-        if rms:
+        if isinstance(norm, RMSNorm):
             y, h, _ = add_rms_norm_op(a, b, norm.normalized_shape, norm.weight,
                                       _add_rms_eps(norm.eps, a), norm.zero_centered)
         else:

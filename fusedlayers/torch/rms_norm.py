@@ -12,7 +12,6 @@ from torch import nn
 from .. import _args
 from ..bench.case import Case, memory_work
 from . import _op
-from .fp8_norm import produce
 
 __all__ = ["RMSNorm", "rms_norm"]
 rms_norm_op = _op.handle("rms_norm")
@@ -60,7 +59,6 @@ class RMSNorm(nn.Module):
         self.eps = None if eps is None else _args.real("RMSNorm", "eps", eps)
         self.elementwise_affine = elementwise_affine
         self.zero_centered = bool(zero_centered)
-        self.fp8 = None  # fuse(model, fp8=recipe)'s: the FP8 layers it feeds (fp8_norm.produce)
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device,
                                                    dtype=dtype))
@@ -103,9 +101,6 @@ class RMSNorm(nn.Module):
         return [cls.from_rms_norm(module, zero_centered=zc) for zc in (False, True)], False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        produced = self.fp8 and produce(self, True, x, None, _eps(self.eps, x))
-        if produced:
-            return produced[0]
         return rms_norm_op(x, self.normalized_shape, self.weight, _eps(self.eps, x),
                            self.zero_centered)[0]
 
