@@ -253,3 +253,6 @@ def test_one_quantization_per_tensor(seed):
         x.mul_(2)
         assert torch.equal(layers[0](x), layers[0](x.clone()))
     assert fp8_module._QUANTIZED[x].reads == [1]
+    with torch.inference_mode():  # inference tensors keep no version: quantized per layer
+        xi = x.detach().clone()
+        assert torch.equal(layers[1](xi), layers[1](x.detach()))
