@@ -173,7 +173,6 @@ class _Entry(NamedTuple):
     version: int
     key: tuple  # (scaling, format, power_of_2_scales)
     quantized: Fp8Quantized
-    reads: list  # [count]: how many layers read it
 
 
 def quantize_input(x: torch.Tensor, scaling: str, format: str, transpose: bool,
@@ -189,9 +188,8 @@ def quantize_input(x: torch.Tensor, scaling: str, format: str, transpose: bool,
             entry.key != (scaling, format, power_of_2_scales) or \
             (transpose and entry.quantized.data_t is None):
         entry = _Entry(x._version, (scaling, format, power_of_2_scales),
-                       fp8_quantize(x, scaling, format, transpose, power_of_2_scales), [0])
+                       fp8_quantize(x, scaling, format, transpose, power_of_2_scales))
         _QUANTIZED[x] = entry
-    entry.reads[0] += 1
     q = entry.quantized
     return Fp8Quantized(q.data.reshape(-1, cols), q.scale_inv, q.data_t if transpose else None,
                         q.scale_inv_t if transpose else None)
