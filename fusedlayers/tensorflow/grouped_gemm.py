@@ -59,12 +59,14 @@ def _grouped_gemm_grad(op, dy):
 
 def reference(x, weight, offsets, transposed: bool = False):
     """The same in TF ops: a matmul per group over its rows (tf.split by the offsets), zeros
-    after the last group."""
+    after the last group. The groups' weights by tf.unstack, whose gradient is one stack (a
+    slice's gradient is a dense tensor of the whole weight's shape, one per group)."""
     groups = int(weight.shape[0])
     starts = tf.concat([[0], offsets[:-1]], 0)
     rest = tf.shape(x)[0] - offsets[-1]
     parts = tf.split(x, tf.concat([offsets - starts, [rest]], 0), num=groups + 1)
-    out = [tf.matmul(parts[g], weight[g], transpose_b=not transposed) for g in range(groups)]
+    w = tf.unstack(weight, num=groups)
+    out = [tf.matmul(parts[g], w[g], transpose_b=not transposed) for g in range(groups)]
     cols = weight.shape[2] if transposed else weight.shape[1]
     return tf.concat(out + [tf.zeros([rest, cols], x.dtype)], 0)
 

@@ -77,14 +77,17 @@ def grouped_linear(x, weight, offsets, transposed: bool, gemm: str | None):
 
 def reference(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
               transposed=False):
-    """The unfused computation, expert by expert in TF ops (SwiGLU)."""
+    """The unfused computation, expert by expert in TF ops (SwiGLU); the experts' weights by
+    tf.unstack (as grouped_gemm's reference)."""
     out = tf.zeros_like(hidden_states)
-    for e in range(int(gate_up_proj.shape[0])):
+    experts = int(gate_up_proj.shape[0])
+    w1, w2 = tf.unstack(gate_up_proj, num=experts), tf.unstack(down_proj, num=experts)
+    for e in range(experts):
         where = tf.where(tf.equal(top_k_index, e))
         token = where[:, 0]
-        h = tf.matmul(tf.gather(hidden_states, token), gate_up_proj[e], transpose_b=not transposed)
+        h = tf.matmul(tf.gather(hidden_states, token), w1[e], transpose_b=not transposed)
         g, u = tf.split(h, 2, axis=-1)
-        y = tf.matmul(tf.nn.silu(g) * u, down_proj[e], transpose_b=not transposed)
+        y = tf.matmul(tf.nn.silu(g) * u, w2[e], transpose_b=not transposed)
         w = tf.cast(tf.gather_nd(top_k_weights, where), y.dtype)[:, None]
         out = tf.tensor_scatter_nd_add(out, token[:, None], y * w)
     return out
