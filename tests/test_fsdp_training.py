@@ -1,6 +1,7 @@
-"""A fused Hugging Face Llama and a fused Qwen3-MoE trained under FSDP2 with
-fusedlayers.torch.AdamW (bfloat16 parameters, float32 master weights, max_grad_norm clipping)
-on two processes (gloo on the CPU, NCCL on two GPUs), and under HSDP (a 2 x 2 mesh: two replicas
+"""A fused Hugging Face Llama, the same with FP8 linear layers (fuse(fp8=Fp8Recipe()): blockwise,
+whose 1x128 blocks of 128 tokens fall alike in a process's share and in the whole batch) and a
+fused Qwen3-MoE trained under FSDP2 with fusedlayers.torch.AdamW (bfloat16 parameters, float32
+master weights, max_grad_norm clipping) on two processes (gloo on the CPU, NCCL on two GPUs), and under HSDP (a 2 x 2 mesh: two replicas
 of two shards) on four GPUs, against one process on the same global batches: the per-step
 losses, the gradient norms the optimizer clips by, and the parameters after STEPS steps.
 
@@ -36,6 +37,7 @@ MESHES = [pytest.param(("fsdp", 2), id="fsdp2"), pytest.param(("hsdp", 4), id="h
 SCRIPT = r'''
 import json, os, sys
 import torch, torch.distributed as dist, transformers
+from fusedlayers import Fp8Recipe
 from fusedlayers.torch import AdamW, fuse
 
 model, device_type, mode, out = sys.argv[1:5]
@@ -50,14 +52,16 @@ if device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = False
 small = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False)
-if model == "llama":
+if model in ("llama", "llama_fp8"):
     config = transformers.LlamaConfig(intermediate_size=352, **small)
 else:  # no router loss: it is a mean over each forward's own tokens, not over the batch
     config = transformers.Qwen3MoeConfig(intermediate_size=352, moe_intermediate_size=64,
                                          num_experts=8, num_experts_per_tok=2,
                                          output_router_logits=False, **small)
 torch.manual_seed(0)
-lm = fuse(transformers.AutoModelForCausalLM.from_config(config), verbose=False)
+lm = fuse(transformers.AutoModelForCausalLM.from_config(config), verbose=False,
+          fp8=Fp8Recipe() if model == "llama_fp8" else None)
+assert (model == "llama_fp8") == any(type(m).__name__ == "Fp8Linear" for m in lm.modules())
 lm = lm.to(device, torch.bfloat16)  # the masters start from the bfloat16 weights, as under FSDP2
 if fsdp:  # on the CPU also where CUDA is present
     from torch.distributed.device_mesh import init_device_mesh
@@ -135,7 +139,7 @@ def _distance(a: dict, b: dict) -> dict:
 
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "llama_fp8"])
 def test_fsdp2_trains_like_one_process(model, device, mesh, tmp_path):
     mode, procs = mesh
     if mode == "hsdp" and device == "cpu":
