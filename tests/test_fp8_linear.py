@@ -261,3 +261,33 @@ def test_one_quantization_per_tensor(monkeypatch, seed):
     with torch.inference_mode():  # inference tensors keep no version: quantized per layer
         xi = x.detach().clone()
         assert torch.equal(layers[1](xi), layers[1](x.detach()))
+
+
+def test_fused_llama_in_fp8_compiles_without_graph_breaks(seed):
+    """fuse(model, fp8=recipe) on a Hugging Face Llama (FP8 attention projections and gated MLP):
+    no graph break, and the compiled loss and gradients equal eager's (under torch.compile each
+    layer quantizes its own input, eagerly q/k/v share one quantization: the same bits)."""
+    transformers = pytest.importorskip("transformers")
+    from fusedlayers.torch import fuse
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=96, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = fuse(transformers.LlamaForCausalLM(config), fp8=Fp8Recipe(), verbose=False)
+    assert sum(type(m) is Fp8Linear for m in model.modules()) == 14  # q k v o gate up down
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(seed))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(m):
+        loss = m(input_ids=ids, labels=ids).loss
+        return [loss, *torch.autograd.grad(loss, params, allow_unused=True)]
+    eager = loss_and_grads(model)
+    compiled = loss_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0, explained.break_reasons
