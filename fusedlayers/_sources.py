@@ -207,13 +207,15 @@ def xla_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],
                   cuda: bool, verbose: bool = False, key: str = "",
-                  archive: Path | None = None) -> bool:
-    """Compiles the binding's `sources` in parallel with g++ and links the shared library
-    `output` with csrc's `archive` (csrc_archive). With `cuda`, the toolkit's CUDA runtime,
-    linked statically with its symbols kept private (-Wl,--exclude-libs): a framework's own CUDA
-    runtime symbols, of its CUDA version, cannot bind ours. Skipped when `output` was built from
-    the same sources, flags, archive and `key` (the framework's version): False then, True when
-    built. Raises NotBuiltError with the failing command."""
+                  archive: Path | None = None, pch_headers: tuple[str, ...] = ()) -> bool:
+    """Compiles the binding's `sources` in parallel with g++ (the framework headers
+    `pch_headers`, which every source parses, precompiled for the build: precompiled_header) and
+    links the shared library `output` with csrc's `archive` (csrc_archive). With `cuda`, the
+    toolkit's CUDA runtime, linked statically with its symbols kept private
+    (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of its CUDA version, cannot
+    bind ours. Skipped when `output` was built from the same sources, flags, archive and `key`
+    (the framework's version): False then, True when built. Raises NotBuiltError with the
+    failing command."""
     if not sources:
         raise NotBuiltError(f"fusedlayers: no sources to build {output.name} under {ROOT}")
     digest = sources_digest(repr((key, cflags, ldflags, cuda, archive and archive.name)), sources)
@@ -232,7 +234,18 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
         ldflags = [*ldflags, f"-L{libdir}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread",
                    "-Wl,--exclude-libs,ALL"]
     output.parent.mkdir(parents=True, exist_ok=True)
-    objects = _parallel(lambda src: compile_cached(["g++", *cflags], src, verbose, key), sources)
+    command = ["g++", *cflags]
+    gch = None
+    if pch_headers:  # precompiled for the sources not in the object cache, removed after them
+        flags, gch = precompiled_header(command, pch_headers, key)
+        if sum(not cached_object([*command, *flags], src, key).exists() for src in sources) > 1:
+            precompile(command, flags, gch, verbose)
+        command += flags
+    try:
+        objects = _parallel(lambda src: compile_cached(command, src, verbose, key), sources)
+    finally:
+        if gch is not None:
+            gch.unlink(missing_ok=True)  # about 1 GB for TensorFlow's headers
     # the archive after the objects that call into it, before the libraries it calls
     _run(["g++", "-shared", "-o", str(output), *map(str, objects),
           *([str(archive)] if archive else []), *ldflags], verbose)
@@ -293,17 +306,21 @@ def object_cache() -> Path:
     return cache
 
 
+def cached_object(command: list[str], src: Path, key: str = "") -> Path:
+    """Where compile_cached keeps the object of `command` -c src (which may not exist yet)."""
+    digest = hashlib.sha256(repr((command, key, _compiler_version(command[0]),
+                                  _compiler_version("g++"))).encode())
+    for path in [src, *sorted(included_headers(src))]:
+        digest.update(path.read_bytes())
+    return object_cache() / f"{src.stem}_{digest.hexdigest()[:24]}.o"
+
+
 def compile_cached(command: list[str], src: Path, verbose: bool = False, key: str = "") -> Path:
     """The object of `command` -c src, compiled once: kept in the object cache by the hash of
     the command, the compilers' versions, `key` (a framework's version, whose headers the
     command reads), the source and the project's headers it includes (quoted includes, followed
     through: a new kernel's header leaves the others' objects valid)."""
-    digest = hashlib.sha256(repr((command, key, _compiler_version(command[0]),
-                                  _compiler_version("g++"))).encode())
-    for path in [src, *sorted(included_headers(src))]:
-        digest.update(path.read_bytes())
-    key = digest.hexdigest()
-    obj = object_cache() / f"{src.stem}_{key[:24]}.o"
+    obj = cached_object(command, src, key)
     if not obj.exists():
         tmp = obj.with_suffix(f".{os.getpid()}.tmp")
         printed = _run([*command, "-c", str(src), "-o", str(tmp)], verbose)
@@ -311,6 +328,32 @@ def compile_cached(command: list[str], src: Path, verbose: bool = False, key: st
             print(f"{src.name}:\n{printed}".rstrip())
         tmp.replace(obj)  # atomic: a concurrent build sees a whole object or none
     return obj
+
+
+def precompiled_header(command: list[str], headers: tuple[str, ...], key: str = ""
+                       ) -> tuple[list[str], Path]:
+    """(flags, gch): flags that make g++ `command` read `headers` (a framework's, whose parse is
+    most of a binding source's compile) first, ["-include", header, "-Winvalid-pch"], from a
+    header file in the object cache named by this command, compiler and `key`; gch: where its
+    precompiled form goes (precompile). GCC takes the .gch where it exists and the command
+    matches the one that built it, and otherwise parses the header (-Winvalid-pch says so)."""
+    text = "".join(f'#include "{h}"\n' for h in headers)
+    digest = hashlib.sha256(repr((command, key, text, _compiler_version(command[0]))).encode())
+    folder = object_cache() / f"pch_{digest.hexdigest()[:24]}"
+    header = folder / "framework.h"
+    if not header.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"framework.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        tmp.replace(header)  # atomic: a concurrent build sees the whole text or none
+    return ["-include", str(header), "-Winvalid-pch"], folder / "framework.h.gch"
+
+
+def precompile(command: list[str], flags: list[str], gch: Path, verbose: bool = False) -> None:
+    """Compiles precompiled_header's header (flags[1]) with `command` into `gch`."""
+    tmp = gch.with_suffix(f".{os.getpid()}.tmp")
+    _run([*command, "-x", "c++-header", flags[1], "-o", str(tmp)], verbose)
+    tmp.replace(gch)
 
 
 def included_headers(src: Path) -> set[Path]:

@@ -1,16 +1,17 @@
 """A fused Hugging Face Llama, the same with FP8 linear layers (fuse(fp8=Fp8Recipe()): blockwise,
-whose 1x128 blocks of 128 tokens fall alike in a process's share and in the whole batch) and a
-fused Qwen3-MoE trained under FSDP2 with fusedlayers.torch.AdamW (bfloat16 parameters, float32
-master weights, max_grad_norm clipping) on two processes (gloo on the CPU, NCCL on two GPUs), and under HSDP (a 2 x 2 mesh: two replicas
-of two shards) on four GPUs, against one process on the same global batches: the per-step
-losses, the gradient norms the optimizer clips by, and the parameters after STEPS steps.
+whose 1x128 blocks of 128 tokens fall alike in a process's share and in the whole batch) and a fused
+Qwen3-MoE trained under FSDP2 with fusedlayers.torch.AdamW (bfloat16 parameters, float32 master
+weights, max_grad_norm clipping) on two processes (gloo on the CPU, NCCL on two GPUs), and under
+HSDP (a 2 x 2 mesh: two replicas of two shards) on four GPUs, against one process on the same global
+batches: the per-step losses, the gradient norms the optimizer clips by, and the parameters after
+STEPS steps.
 
 The bound is calibrated in the same test, not fixed: a second one-process run takes each global
-batch as one micro-batch per process (the processes' shares) with gradient accumulation, which
-is FSDP's arithmetic (each share's gradient in bfloat16, then their sum) without the engine. Its
-distance from the whole-batch run is how far rounding alone moves these trainings; the FSDP run
-must be within TOLERANCE times that of the whole-batch run. A norm summed over one process's
-shard only (or over HSDP's replicas too) is off by ~30% in every step, far outside it."""
+batch as one micro-batch per process (the processes' shares) with gradient accumulation, which is
+FSDP's arithmetic (each share's gradient in bfloat16, then their sum) without the engine. Its
+distance from the whole-batch run is how far rounding alone moves these trainings; the FSDP run must
+be within TOLERANCE times that of the whole-batch run. A norm summed over one process's shard only
+(or over HSDP's replicas too) is off by ~30% in every step, far outside it."""
 
 import json
 import os

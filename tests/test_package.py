@@ -202,6 +202,33 @@ def test_objects_are_compiled_once_per_command_and_source(tmp_path, monkeypatch)
     assert _sources.compile_cached(cmd, source) != with_headers and len(compiled) == 6
 
 
+def test_framework_headers_are_precompiled_for_a_build(tmp_path, monkeypatch):
+    """build_library(pch_headers=): the headers precompiled once where two or more sources
+    compile, GCC taking the .gch for each (g++ -H marks a precompiled header it reads with "!"),
+    removed after the build; a build that compiles one source parses the headers itself."""
+    from fusedlayers import _sources
+    monkeypatch.setenv(_sources.OBJECT_CACHE, str(tmp_path / "objects"))
+    sources = [tmp_path / f"s{i}.cpp" for i in range(3)]
+    for i, source in enumerate(sources):
+        source.write_text(f"int s{i}() {{ return std::vector<int>({i}).size(); }}\n")
+    runs = []  # (command, its stderr: what g++ -H lists)
+    run = _sources._run
+    monkeypatch.setattr(_sources, "_run", lambda cmd, verbose=False: (
+        runs.append((cmd, run([*cmd, "-H"] if "-c" in cmd else cmd, verbose))), runs[-1][1])[1])
+    build = lambda srcs: _sources.build_library(tmp_path / "lib.so", srcs, [], [],  # noqa: E731
+                                                cuda=False, pch_headers=("vector",))
+    assert build(sources[:2]) is True
+    headers = [cmd[cmd.index("c++-header") + 1] for cmd, _ in runs if "c++-header" in cmd]
+    compiles = [listed for cmd, listed in runs if "-c" in cmd]
+    assert len(headers) == 1 and len(compiles) == 2
+    assert all(f"! {headers[0]}.gch" in listed for listed in compiles), compiles
+    assert not Path(headers[0] + ".gch").exists()
+    runs.clear()
+    assert build(sources) is True  # one source to compile: no header precompiled for it
+    assert [cmd for cmd, _ in runs if "c++-header" in cmd] == []
+    assert len([cmd for cmd, _ in runs if "-c" in cmd]) == 1
+
+
 def test_a_library_is_built_once_per_sources_and_flags(tmp_path):
     from fusedlayers import _sources
     source, output = tmp_path / "one.cpp", tmp_path / "libone.so"

@@ -18,6 +18,14 @@ from .._sources import BUILD_COMMAND
 from ..errors import NotBuiltError
 
 LIBRARY = Path(__file__).resolve().parent.parent / "_tf_ops.so"
+# What the bindings' headers (backends/tensorflow/tf_binding.h, xla_kernel.h) include from
+# TensorFlow and XLA: most of each binding's compile, so parsed once, precompiled.
+PCH_HEADERS = ("tensorflow/core/framework/op.h", "tensorflow/core/framework/op_kernel.h",
+               "tensorflow/core/framework/shape_inference.h", "tensorflow/core/framework/tensor.h",
+               "tensorflow/compiler/tf2xla/xla_op_kernel.h",
+               "tensorflow/compiler/tf2xla/xla_op_registry.h", "xla/hlo/builder/xla_builder.h",
+               "xla/shape_util.h")
+GPU_PCH_HEADERS = ("xla/stream_executor/stream.h",)  # tf_binding.h's with GOOGLE_CUDA
 
 
 def cuda_build(env=os.environ) -> tuple[bool, str]:
@@ -52,7 +60,8 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
     return _sources.build_library(output, _sources.tensorflow_sources(), cflags,
                                   [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"],
                                   cuda, verbose, key=f"tensorflow {tf.__version__}",
-                                  archive=archive)
+                                  archive=archive,
+                                  pch_headers=(*PCH_HEADERS, *(GPU_PCH_HEADERS if cuda else ())))
 
 
 def _cxx11_abi(flags: list[str]) -> int:
