@@ -207,10 +207,12 @@ def xla_sources(root: Path = ROOT, cuda: bool = False) -> list[Path]:
 
 def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags: list[str],
                   cuda: bool, verbose: bool = False, key: str = "",
-                  archive: Path | None = None, pch_headers: tuple[str, ...] = ()) -> bool:
+                  archive: Path | None = None, pch_headers: tuple[str, ...] = (),
+                  pch_folder: str = "") -> bool:
     """Compiles the binding's `sources` in parallel with g++ (the framework headers
-    `pch_headers`, which every source parses, precompiled for the build: precompiled_header) and
-    links the shared library `output` with csrc's `archive` (csrc_archive). With `cuda`, the
+    `pch_headers`, which the sources in folders named `pch_folder` parse, precompiled for the
+    build: precompiled_header) and links the shared library `output` with csrc's `archive`
+    (csrc_archive). With `cuda`, the
     toolkit's CUDA runtime, linked statically with its symbols kept private
     (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of its CUDA version, cannot
     bind ours. Skipped when `output` was built from the same sources, flags, archive and `key`
@@ -234,15 +236,17 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
         ldflags = [*ldflags, f"-L{libdir}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread",
                    "-Wl,--exclude-libs,ALL"]
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = ["g++", *cflags]
-    gch = None
+    plain = ["g++", *cflags]
+    with_pch, gch = plain, None
     if pch_headers:  # precompiled for the sources not in the object cache, removed after them
-        flags, gch = precompiled_header(command, pch_headers, key)
-        if sum(not cached_object([*command, *flags], src, key).exists() for src in sources) > 1:
-            precompile(command, flags, gch, verbose)
-        command += flags
+        flags, gch = precompiled_header(plain, pch_headers, key)
+        with_pch = [*plain, *flags]
+        if sum(src.parent.name == pch_folder and not cached_object(with_pch, src, key).exists()
+               for src in sources) > 1:
+            precompile(plain, flags, gch, verbose)
     try:
-        objects = _parallel(lambda src: compile_cached(command, src, verbose, key), sources)
+        objects = _parallel(lambda src: compile_cached(
+            with_pch if src.parent.name == pch_folder else plain, src, verbose, key), sources)
     finally:
         if gch is not None:
             gch.unlink(missing_ok=True)  # about 1 GB for TensorFlow's headers

@@ -19,7 +19,8 @@ from ..errors import NotBuiltError
 
 LIBRARY = Path(__file__).resolve().parent.parent / "_tf_ops.so"
 # What the bindings' headers (backends/tensorflow/tf_binding.h, xla_kernel.h) include from
-# TensorFlow and XLA: most of each binding's compile, so parsed once, precompiled.
+# TensorFlow and XLA: most of each binding's compile, so parsed once, precompiled (for
+# backends/tensorflow alone: the XLA FFI handlers the library also compiles read none of it).
 PCH_HEADERS = ("tensorflow/core/framework/op.h", "tensorflow/core/framework/op_kernel.h",
                "tensorflow/core/framework/shape_inference.h", "tensorflow/core/framework/tensor.h",
                "tensorflow/compiler/tf2xla/xla_op_kernel.h",
@@ -61,7 +62,8 @@ def build(output: Path, verbose: bool = False, cuda: bool | None = None) -> bool
                                   [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"],
                                   cuda, verbose, key=f"tensorflow {tf.__version__}",
                                   archive=archive,
-                                  pch_headers=(*PCH_HEADERS, *(GPU_PCH_HEADERS if cuda else ())))
+                                  pch_headers=(*PCH_HEADERS, *(GPU_PCH_HEADERS if cuda else ())),
+                                  pch_folder="tensorflow")
 
 
 def _cxx11_abi(flags: list[str]) -> int:
