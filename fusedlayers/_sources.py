@@ -212,12 +212,11 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
     """Compiles the binding's `sources` in parallel with g++ (the framework headers
     `pch_headers`, which the sources in folders named `pch_folder` parse, precompiled for the
     build: precompiled_header) and links the shared library `output` with csrc's `archive`
-    (csrc_archive). With `cuda`, the
-    toolkit's CUDA runtime, linked statically with its symbols kept private
-    (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of its CUDA version, cannot
-    bind ours. Skipped when `output` was built from the same sources, flags, archive and `key`
-    (the framework's version): False then, True when built. Raises NotBuiltError with the
-    failing command."""
+    (csrc_archive). With `cuda`, the toolkit's CUDA runtime, linked statically with its symbols
+    kept private (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of its CUDA
+    version, cannot bind ours. Skipped when `output` was built from the same sources, flags,
+    archive and `key` (the framework's version): False then, True when built. Raises
+    NotBuiltError with the failing command."""
     if not sources:
         raise NotBuiltError(f"fusedlayers: no sources to build {output.name} under {ROOT}")
     digest = sources_digest(repr((key, cflags, ldflags, cuda, archive and archive.name)), sources)
