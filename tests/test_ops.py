@@ -10,6 +10,7 @@ The op-specific behaviour (modules, options of one framework, special values, de
 in tests/test_<op>.py."""
 
 import dataclasses
+import importlib
 import warnings
 
 import numpy as np
@@ -252,10 +253,12 @@ def tf():
     return pytest.importorskip("tensorflow")
 
 
-def run_tf(tf, op, s, leaves, dy, device="cpu", jit=False):
-    """As run_torch, through the TF op on `device` (jit: under tf.function(jit_compile=True), the
-    op's XLA kernel): {"y": ..., "d<arg>": ...} as TF tensors. On cuda every result must have been
-    computed on the GPU (a dtype without a GPU kernel would fall back to the CPU's)."""
+def run_tf(tf, op, s, leaves, dy, device="cpu", jit=False, fn=None):
+    """As run_torch, through the TF op (or `fn`) on `device` (jit: under
+    tf.function(jit_compile=True), the op's XLA kernel): {"y": ..., "d<arg>": ...} as TF tensors.
+    On cuda every result must have been computed on the GPU (a dtype without a GPU kernel would
+    fall back to the CPU's)."""
+    fn = getattr(fl, op.name) if fn is None else fn
     with tf.device(tf_device(device)):
         t = {n: None if v is None else tf.cast(tf.constant(v.double().numpy()), str(v.dtype)[6:])
              for n, v in leaves.items()}
@@ -266,7 +269,7 @@ def run_tf(tf, op, s, leaves, dy, device="cpu", jit=False):
         def forward_and_grads(*args):
             with tf.GradientTape() as tape:
                 tape.watch(args)
-                y = getattr(fl, op.name)(**{**t, **dict(zip(present, args))}, **s.kwargs)
+                y = fn(**{**t, **dict(zip(present, args))}, **s.kwargs)
             ys = list(y) if isinstance(y, tuple) else [y]
             return y, tape.gradient(ys, list(args), output_gradients=dys)
 
@@ -280,6 +283,15 @@ def run_tf(tf, op, s, leaves, dy, device="cpu", jit=False):
     return results
 
 
+def tf_baseline(tf, op, s, leaves, dy, device, jit=False):
+    """The unfused computation the TF op is judged against: TF's own (op.tf_baseline), else
+    torch's on the CPU."""
+    if not op.tf_baseline:
+        return baseline(op, s, leaves, dy)
+    fn = importlib.import_module(f"fusedlayers.tensorflow.{op.name}").reference
+    return tf_results_as_torch(run_tf(tf, op, s, leaves, dy, device, jit, fn))
+
+
 def tf_results_as_torch(results) -> dict:
     return {n: torch.from_numpy(np64(v)).to(DTYPES[v.dtype.name])  # exact: v is in that dtype
             for n, v in results.items()}
@@ -290,8 +302,23 @@ def test_tf(op, s, dtype, device, rng, tf):
     leaves = rounded(draw(op, s, rng), s, dtype)
     ref, dy, scales = reference64(op, s, leaves, rng)
     ours = tf_results_as_torch(run_tf(tf, op, s, leaves, dy, device))
-    base = baseline(op, s, leaves, dy)
+    base = tf_baseline(tf, op, s, leaves, dy, device)
     check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"TF {op.name} {s.id} {device}")
+
+
+@pytest.mark.parametrize("op,s,dtype,device", [
+    c for c in cases(["float64"], contiguous_only=True, nonempty=True) if c.values[0].tf_baseline])
+def test_tf_baseline_is_the_unfused_math(op, s, dtype, device, rng, tf):
+    """The TF baseline that widens test_tf's bounds computes the op: in float64 it equals the
+    float64 reference, forward and backward, to 1e-6 (TF's float64 GELU is off by up to ~1e-7
+    relative; erf- and tanh-GELU differ by 1e-3)."""
+    leaves = rounded(draw(op, s, rng), s, dtype)
+    ref, dy, _ = reference64(op, s, leaves, rng)
+    base = tf_baseline(tf, op, s, leaves, dy, device)
+    assert set(base) == set(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(base[name], want, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m} ({rng})")
 
 
 @pytest.mark.parametrize("op,s,dtype,device", cases(DTYPES, ("cuda",), contiguous_only=True))
@@ -301,7 +328,7 @@ def test_tf_xla_gpu(op, s, dtype, device, rng, tf):
     leaves = rounded(draw(op, s, rng), s, dtype)
     ref, dy, scales = reference64(op, s, leaves, rng)
     ours = tf_results_as_torch(run_tf(tf, op, s, leaves, dy, device, jit=True))
-    base = baseline(op, s, leaves, dy)
+    base = tf_baseline(tf, op, s, leaves, dy, device, jit=True)
     check(op, s, dtype, leaves, ours, ref, base, scales, rng, f"TF XLA {op.name} {s.id} GPU")
 
 

@@ -22,6 +22,16 @@ def linear_gelu(x, weight, bias=None, approximate: str = "none") -> tf.Tensor:
     return _matmul_epilogue("linear_gelu", x, weight, bias, approximate, transpose=True)
 
 
+def reference(x, weight, bias=None, approximate: str = "none") -> tf.Tensor:
+    """The unfused computation linear_gelu replaces, in TF's own ops: tf.matmul over the rows,
+    the bias added in x's dtype, tf.nn.gelu."""
+    h = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), weight, transpose_b=True)
+    if bias is not None:
+        h = h + bias
+    y = tf.nn.gelu(h, approximate=approximate == "tanh")
+    return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [weight.shape[0]]], 0))
+
+
 def _matmul_epilogue(op, x, w, bias, approximate, transpose):
     tensors = {"x": x, "weight": w} if bias is None else {"x": x, "weight": w, "bias": bias}
     x, w, *b = _op.prepare(op, **tensors)
