@@ -211,12 +211,12 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
                   pch_folder: str = "") -> bool:
     """Compiles the binding's `sources` in parallel with g++ (the framework headers
     `pch_headers`, which the sources in folders named `pch_folder` parse, precompiled for the
-    build: precompiled_header) and links the shared library `output` with csrc's `archive`
-    (csrc_archive). With `cuda`, the toolkit's CUDA runtime, linked statically with its symbols
-    kept private (-Wl,--exclude-libs): a framework's own CUDA runtime symbols, of its CUDA
-    version, cannot bind ours. Skipped when `output` was built from the same sources, flags,
-    archive and `key` (the framework's version): False then, True when built. Raises
-    NotBuiltError with the failing command."""
+    build where that pays: precompiled_header, precompiling_pays) and links the shared library
+    `output` with csrc's `archive` (csrc_archive). With `cuda`, the toolkit's CUDA runtime,
+    linked statically with its symbols kept private (-Wl,--exclude-libs): a framework's own CUDA
+    runtime symbols, of its CUDA version, cannot bind ours. Skipped when `output` was built from
+    the same sources, flags, archive and `key` (the framework's version): False then, True when
+    built. Raises NotBuiltError with the failing command."""
     if not sources:
         raise NotBuiltError(f"fusedlayers: no sources to build {output.name} under {ROOT}")
     digest = sources_digest(repr((key, cflags, ldflags, cuda, archive and archive.name)), sources)
@@ -240,8 +240,9 @@ def build_library(output: Path, sources: list[Path], cflags: list[str], ldflags:
     if pch_headers:  # precompiled for the sources not in the object cache, removed after them
         flags, gch = precompiled_header(plain, pch_headers, key)
         with_pch = [*plain, *flags]
-        if sum(src.parent.name == pch_folder and not cached_object(with_pch, src, key).exists()
-               for src in sources) > 1:
+        if precompiling_pays(sum(src.parent.name == pch_folder and
+                                 not cached_object(with_pch, src, key).exists()
+                                 for src in sources)):
             precompile(plain, flags, gch, verbose)
     try:
         objects = _parallel(lambda src: compile_cached(
@@ -352,6 +353,20 @@ def precompiled_header(command: list[str], headers: tuple[str, ...], key: str = 
     return ["-include", str(header), "-Winvalid-pch"], folder / "framework.h.gch"
 
 
+def jobs() -> int:
+    """How many compiles a build runs at once: $MAX_JOBS (as torch's build reads it), else one
+    per CPU."""
+    return int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+
+
+def precompiling_pays(sources: int) -> bool:
+    """Whether a framework's precompiled header pays for itself in a build that compiles
+    `sources` sources reading it: its own compile takes about two sources' and runs before them,
+    then each takes under half its time. Where every job has four or more to compile; where
+    each has fewer, the header only delays them (a machine with a core per source)."""
+    return sources >= 4 * jobs()
+
+
 def precompile(command: list[str], flags: list[str], gch: Path, verbose: bool = False) -> None:
     """Compiles precompiled_header's header (flags[1]) with `command` into `gch`."""
     tmp = gch.with_suffix(f".{os.getpid()}.tmp")
@@ -397,8 +412,7 @@ def _run(cmd: list[str], verbose: bool = False) -> str:
 
 
 def _parallel(fn, items: list) -> list:
-    with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("MAX_JOBS",
-                                                                  os.cpu_count() or 1))) as pool:
+    with concurrent.futures.ThreadPoolExecutor(jobs()) as pool:
         return list(pool.map(fn, items))
 
 

@@ -203,14 +203,16 @@ def test_objects_are_compiled_once_per_command_and_source(tmp_path, monkeypatch)
 
 
 def test_framework_headers_are_precompiled_for_a_build(tmp_path, monkeypatch):
-    """build_library(pch_headers=, pch_folder=): the headers precompiled once where two or more
-    sources of that folder compile, GCC taking the .gch for each (g++ -H marks a precompiled
-    header it reads with "!"), removed after the build; a build that compiles one source parses
-    the headers itself; a source in another folder compiles without them."""
+    """build_library(pch_headers=, pch_folder=): the headers precompiled once where each job
+    has four or more sources of that folder to compile, GCC taking the .gch for each (g++ -H
+    marks a precompiled header it reads with "!"), removed after the build; where each job has
+    fewer, the sources parse the headers themselves; a source in another folder compiles
+    without them."""
     from fusedlayers import _sources
     monkeypatch.setenv(_sources.OBJECT_CACHE, str(tmp_path / "objects"))
+    monkeypatch.setenv("MAX_JOBS", "1")
     (tmp_path / "bindings").mkdir()
-    sources = [tmp_path / "bindings" / f"s{i}.cpp" for i in range(3)]
+    sources = [tmp_path / "bindings" / f"s{i}.cpp" for i in range(5)]
     for i, source in enumerate(sources):
         source.write_text(f"int s{i}() {{ return std::vector<int>({i}).size(); }}\n")
     other = tmp_path / "other.cpp"
@@ -219,20 +221,27 @@ def test_framework_headers_are_precompiled_for_a_build(tmp_path, monkeypatch):
     run = _sources._run
     monkeypatch.setattr(_sources, "_run", lambda cmd, verbose=False: (
         runs.append((cmd, run([*cmd, "-H"] if "-c" in cmd else cmd, verbose))), runs[-1][1])[1])
-    build = lambda srcs: _sources.build_library(  # noqa: E731
-        tmp_path / "lib.so", srcs, [], [], cuda=False, pch_headers=("vector",),
+    build = lambda srcs, lib="lib.so": _sources.build_library(  # noqa: E731
+        tmp_path / lib, srcs, [], [], cuda=False, pch_headers=("vector",),
         pch_folder="bindings")
-    assert build([*sources[:2], other]) is True
+    assert build([*sources[:4], other]) is True
     headers = [cmd[cmd.index("c++-header") + 1] for cmd, _ in runs if "c++-header" in cmd]
     compiles = {cmd[cmd.index("-c") + 1]: (cmd, listed) for cmd, listed in runs if "-c" in cmd}
-    assert len(headers) == 1 and len(compiles) == 3
-    assert all(f"! {headers[0]}.gch" in compiles[str(src)][1] for src in sources[:2]), compiles
+    assert len(headers) == 1 and len(compiles) == 5
+    assert all(f"! {headers[0]}.gch" in compiles[str(src)][1] for src in sources[:4]), compiles
     assert "-include" not in compiles[str(other)][0]
     assert not Path(headers[0] + ".gch").exists()
     runs.clear()
     assert build(sources) is True  # one source to compile: no header precompiled for it
     assert [cmd for cmd, _ in runs if "c++-header" in cmd] == []
     assert len([cmd for cmd, _ in runs if "-c" in cmd]) == 1
+    runs.clear()
+    monkeypatch.setenv(_sources.OBJECT_CACHE, str(tmp_path / "objects2"))
+    monkeypatch.setenv("MAX_JOBS", "2")  # five sources over two jobs: parsed by each
+    assert build(sources, "lib2.so") is True
+    assert len([cmd for cmd, _ in runs if "-c" in cmd]) == 5
+    assert [cmd for cmd, _ in runs if "c++-header" in cmd] == []
+    assert all(".gch" not in listed for cmd, listed in runs if "-c" in cmd)
 
 
 def test_a_library_is_built_once_per_sources_and_flags(tmp_path):
