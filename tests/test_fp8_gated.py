@@ -244,3 +244,29 @@ def test_fuse_runs_a_llama_mlp_through_it(monkeypatch, seed):
     assert calls == [1]
     model(input_ids=ids[:, :5])
     assert calls == [1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=SM90)])
+@pytest.mark.parametrize("stacked", [False, True], ids=["gate,up", "gate_up"])
+@pytest.mark.parametrize("scaling", ["blockwise", "tensorwise"])
+def test_mlp_recomputed_weights_give_the_same_results_and_keep_no_fp8_weight(scaling, stacked,
+                                                                               device, seed):
+    """recompute_fp8_weights: y and every gradient bit for bit those of keeping the forward's
+    FP8 W^T (the same quantizations, made in the backward); the forward saves no FP8 tensor of a
+    weight's size, where the kept run saves both weights'."""
+    g = torch.Generator().manual_seed(seed)
+    x, ws, w_down, dy = mlp(g, device, torch.bfloat16, stacked=stacked)
+    gate_up = ws[0] if stacked else tuple(ws)
+    sizes = {2 * w_down.numel(), w_down.numel()}  # [gate; up] and down
+    results = {}
+    for recompute in (False, True):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            y = mlp_module.fp8_gated_mlp(x, gate_up, w_down, "silu",
+                                         Fp8Recipe(scaling, recompute_fp8_weights=recompute))
+        fp8_weights = {t.numel() for t in saved if t.dtype == torch.float8_e4m3fn} & sizes
+        assert fp8_weights == (set() if recompute else sizes)
+        results[recompute] = grads(x, ws, w_down, y, dy)
+    for kept, recomputed in zip(results[False], results[True]):
+        assert torch.equal(kept, recomputed)

@@ -291,3 +291,67 @@ def test_fused_llama_in_fp8_compiles_without_graph_breaks(seed):
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaling", ["blockwise", "tensorwise"])
+def test_recomputed_weights_give_the_same_results_and_keep_no_fp8_weight(scaling, device, seed):
+    """recompute_fp8_weights: y, dx, dW and db bit for bit those of keeping the forward's FP8
+    W^T (the same quantization, made in the backward); the forward saves no FP8 tensor of the
+    weight's size, where the kept run saves W^T."""
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, dy = layer(g, device, torch.bfloat16)
+    results = {}
+    for recompute in (False, True):
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            y = fp8_linear(xs, ws, bs, Fp8Recipe(scaling, recompute_fp8_weights=recompute))
+        fp8_weights = [t for t in saved
+                       if t.dtype == torch.float8_e4m3fn and t.numel() == w.numel()]
+        assert len(fp8_weights) == (0 if recompute else 1)
+        y.backward(dy)
+        results[recompute] = [y.detach(), xs.grad, ws.grad, bs.grad]
+    for kept, recomputed in zip(results[False], results[True]):
+        assert torch.equal(kept, recomputed)
+
+
+def test_fused_llama_saves_less_for_its_backward_in_fp8_than_in_bf16(seed):
+    """What a fused Llama's forward saves for its backward (bf16 weights; the parameters
+    themselves not counted): with recompute_fp8_weights the FP8 model saves no FP8 weight and
+    less than the bf16 fused model (its GEMMs' inputs kept as FP8 x^T in place of bf16 x), where
+    keeping the weights' FP8 W^T saves more than bf16 at this size."""
+    transformers = pytest.importorskip("transformers")
+    from fusedlayers.torch import fuse
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=2048)
+    # 384 tokens: no activation's x^T of a weight's shape
+    ids = torch.randint(0, 2048, (1, 384), generator=torch.Generator().manual_seed(seed))
+
+    def saved_bytes(recipe):
+        torch.manual_seed(seed)
+        model = fuse(transformers.LlamaForCausalLM(config).to(torch.bfloat16), fp8=recipe)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        weights = {s for p in model.parameters() if p.dim() == 2
+                   for s in (tuple(p.shape), tuple(p.shape[::-1]))}
+        storages, fp8_weights = {}, 0
+
+        def pack(t):
+            nonlocal fp8_weights
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+                fp8_weights += t.dtype == torch.float8_e4m3fn and tuple(t.shape) in weights
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(storages.values()), fp8_weights
+
+    bf16, _ = saved_bytes(None)
+    kept, kept_weights = saved_bytes(Fp8Recipe())
+    recomputed, recomputed_weights = saved_bytes(Fp8Recipe(recompute_fp8_weights=True))
+    assert recomputed_weights == 0 and kept_weights > 0
+    assert recomputed < bf16 < kept, (recomputed, bf16, kept)

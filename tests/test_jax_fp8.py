@@ -26,7 +26,9 @@ RECIPES = {"blockwise": Fp8Recipe(), "tensorwise": Fp8Recipe("tensorwise"),
            "hybrid": Fp8Recipe("tensorwise", "hybrid"),
            "blockwise-pow2": Fp8Recipe(power_of_2_scales=True),
            "fprop-only": Fp8Recipe(gemms=("fprop",)), "no-fprop": Fp8Recipe(gemms=("dgrad",
-                                                                                  "wgrad"))}
+                                                                                  "wgrad")),
+           "blockwise-recompute": Fp8Recipe(recompute_fp8_weights=True),
+           "no-fprop-recompute": Fp8Recipe(gemms=("dgrad", "wgrad"), recompute_fp8_weights=True)}
 TORCH = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16, jnp.float16: torch.float16}
 CPU = jax.devices("cpu")[0]
 

@@ -101,7 +101,8 @@ def _fp8_fwd(x2, w, bias, recipe, in_out):
     fprop, dgrad, wgrad = ("fprop" in gemms), ("dgrad" in gemms), ("wgrad" in gemms)
     s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
     out_dtype = x2.dtype
-    w_fprop, w_dgrad = _weight_operands(w, recipe, in_out, fprop, dgrad)
+    keep_w = dgrad and not recipe.recompute_fp8_weights  # else the backward quantizes w again
+    w_fprop, w_dgrad = _weight_operands(w, recipe, in_out, fprop, keep_w)
     qx = fp8_quantize(x2, s_in, "e4m3", wgrad, pow2) if fprop or wgrad else None
     if fprop:
         # FP8 GEMMs add a bias in their epilogue for half-precision outputs only
@@ -114,7 +115,7 @@ def _fp8_fwd(x2, w, bias, recipe, in_out):
         y = _dot(x2, w, not in_out, out_dtype)
         y = y if bias is None else y + bias.astype(out_dtype)
     saved_x = Fp8Quantized(qx.data_t, qx.scale_inv_t, None, None) if wgrad else x2
-    saved_w = w_dgrad if dgrad else w
+    saved_w = w_dgrad if keep_w else w
     zeros = (jnp.zeros((0,), x2.dtype), jnp.zeros((0,), w.dtype),
              None if bias is None else jnp.zeros((0,), bias.dtype))
     return y, (saved_x, saved_w, zeros)
@@ -127,6 +128,8 @@ def _fp8_bwd(recipe, in_out, saved, dy):
     s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
     qdy = fp8_quantize(dy, s_in, recipe.grad_format, wgrad, pow2) if dgrad or wgrad else None
     if dgrad:  # dx = dy W: W^T [in, out] is b
+        if recipe.recompute_fp8_weights:
+            saved_w = _weight_operands(saved_w, recipe, in_out, False, True)[1]
         dx = fp8_gemm(qdy, s_in, saved_w, s_w, x_like.dtype)
     else:  # saved_w is w itself
         dx = _dot(dy, saved_w, in_out, x_like.dtype)

@@ -86,7 +86,8 @@ def _fp8(recipe, in_out, with_bias=False):
     def linear(x2, w, *bias):
         b = bias[0] if bias else None
         out_dtype = x2.dtype
-        w_fprop, w_dgrad = _weight_operands(w, recipe, in_out, fprop, dgrad)
+        keep_w = dgrad and not recipe.recompute_fp8_weights  # else grad quantizes w again
+        w_fprop, w_dgrad = _weight_operands(w, recipe, in_out, fprop, keep_w)
         qx = fp8_quantize(x2, s_in, "e4m3", wgrad, pow2) if fprop or wgrad else None
         if fprop:
             in_epilogue = b is not None and out_dtype != tf.float32
@@ -103,7 +104,8 @@ def _fp8(recipe, in_out, with_bias=False):
             qdy = fp8_quantize(dy, s_in, recipe.grad_format, wgrad, pow2) if dgrad or wgrad \
                 else None
             if dgrad:  # dx = dy W: W^T [in, out] is b
-                dx = fp8_gemm(qdy, s_in, w_dgrad, s_w, x2.dtype)
+                w_b = w_dgrad if keep_w else _weight_operands(w, recipe, in_out, False, True)[1]
+                dx = fp8_gemm(qdy, s_in, w_b, s_w, x2.dtype)
             else:
                 dx = _dot(dy, w, in_out, x2.dtype)
             if wgrad:  # dW = dy^T x; a kernel's is its transpose

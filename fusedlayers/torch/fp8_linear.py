@@ -32,7 +32,7 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _Fp8Linear(torch.autograd.Function):
     """y = x W^T + b with the recipe's GEMMs in FP8. Saved for the backward: x^T in FP8 where
-    wgrad is FP8 (else x), W^T in FP8 where dgrad is FP8 (else W)."""
+    wgrad is FP8 (else x), W^T in FP8 where dgrad is FP8 and the recipe keeps it (else W)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Fp8Recipe, out_dtype):
@@ -40,11 +40,12 @@ class _Fp8Linear(torch.autograd.Function):
         gemms = recipe.gemms
         wgrad = "wgrad" in gemms and weight.requires_grad
         dgrad = "dgrad" in gemms and x.requires_grad
+        keep_w_t = dgrad and not recipe.recompute_fp8_weights
         pow2 = recipe.power_of_2_scales
         if "fprop" in gemms or wgrad:
             qx = quantize_input(x, recipe.input_scaling, "e4m3", wgrad, pow2)
-        if "fprop" in gemms or dgrad:
-            qw = fp8_quantize(weight, recipe.weight_scaling, "e4m3", dgrad, pow2)
+        if "fprop" in gemms or keep_w_t:
+            qw = fp8_quantize(weight, recipe.weight_scaling, "e4m3", keep_w_t, pow2)
         if "fprop" in gemms:
             # FP8 GEMMs add a bias in their epilogue for half-precision outputs only
             in_epilogue = bias is not None and out_dtype != torch.float32
@@ -56,7 +57,7 @@ class _Fp8Linear(torch.autograd.Function):
             y = F.linear(x2.to(out_dtype), weight.to(out_dtype),
                          None if bias is None else bias.to(out_dtype))
         saved_x = (qx.data_t, qx.scale_inv_t) if wgrad else (x2, None)
-        saved_w = (qw.data_t, qw.scale_inv_t) if dgrad else (weight, None)
+        saved_w = (qw.data_t, qw.scale_inv_t) if keep_w_t else (weight, None)
         ctx.save_for_backward(*saved_x, *saved_w)
         ctx.recipe, ctx.wgrad, ctx.dgrad = recipe, wgrad, dgrad
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -76,6 +77,9 @@ class _Fp8Linear(torch.autograd.Function):
             qdy = fp8_quantize(dy2, s_in, recipe.grad_format, ctx.wgrad and need_dw, pow2)
         if need_dx:
             if ctx.dgrad:  # dx = dy W: W^T [in, out] is b
+                if recipe.recompute_fp8_weights:  # W was saved: its FP8 W^T made here
+                    qw = fp8_quantize(w_t, s_w, "e4m3", True, pow2)
+                    w_t, w_t_scale = qw.data_t, qw.scale_inv_t
                 dx = fp8_gemm(qdy, s_in, Fp8Quantized(w_t, w_t_scale, None, None), s_w,
                               ctx.x_dtype)
             else:

@@ -36,6 +36,13 @@ def _release(saved: torch.Tensor) -> None:
         saved.data = torch.empty(0, dtype=saved.dtype, device=saved.device)
 
 
+def _quantize_gate_up(w_gate, w_up, scaling: str, transpose: bool, pow2: bool) -> Fp8Quantized:
+    """W_gu = [W_gate; W_up] (or W_gate alone, the stacked gate_up) in FP8, its transpose where
+    asked; the stacked copy not held past the quantization."""
+    return fp8_quantize(w_gate if w_up is None else torch.cat([w_gate, w_up]), scaling, "e4m3",
+                        transpose, pow2)
+
+
 class _Fp8GatedMLP(torch.autograd.Function):
     """y = down(act(gate) * up), [gate | up] = x W_gu^T. W_gu is gate_up, or gate and up
     stacked (their gradients split back)."""
@@ -43,19 +50,20 @@ class _Fp8GatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, activation: str, recipe: Fp8Recipe, out_dtype):
         s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
-        w_gu = w_gate if w_up is None else torch.cat([w_gate, w_up])
+        keep_w_t = not recipe.recompute_fp8_weights
         qx = quantize_input(x, s_in, "e4m3", True, pow2)
-        qw_gu = fp8_quantize(w_gu, s_w, "e4m3", True, pow2)
-        del w_gu  # a stacked copy: not held beside what follows
+        qw_gu = _quantize_gate_up(w_gate, w_up, s_w, keep_w_t, pow2)
         gate_up = fp8_gemm(qx, s_in, qw_gu, s_w, out_dtype)
-        saved = [qx.data_t, qx.scale_inv_t, qw_gu.data_t, qw_gu.scale_inv_t, gate_up]
+        saved = [qx.data_t, qx.scale_inv_t, *((qw_gu.data_t, qw_gu.scale_inv_t) if keep_w_t
+                                               else (w_gate, w_up)), gate_up]
         del qx, qw_gu  # their row-major forms are this GEMM's alone
         gate, up = gate_up.chunk(2, dim=-1)
         qh = fp8_gated(gate, up, activation, s_in, "e4m3", True, pow2)
-        qw_down = fp8_quantize(w_down, s_w, "e4m3", True, pow2)
+        qw_down = fp8_quantize(w_down, s_w, "e4m3", keep_w_t, pow2)
         y = fp8_gemm(qh, s_in, qw_down, s_w, out_dtype)
-        ctx.save_for_backward(*saved, qh.data_t, qh.scale_inv_t, qw_down.data_t,
-                              qw_down.scale_inv_t)
+        ctx.save_for_backward(*saved, qh.data_t, qh.scale_inv_t,
+                              *((qw_down.data_t, qw_down.scale_inv_t) if keep_w_t
+                                else (w_down, None)))
         ctx.activation, ctx.recipe, ctx.split = activation, recipe, w_up is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.w_dtypes = (w_gate.dtype, None if w_up is None else w_up.dtype, w_down.dtype)
@@ -72,6 +80,11 @@ class _Fp8GatedMLP(torch.autograd.Function):
         recipe = ctx.recipe
         s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
         fmt = recipe.grad_format
+        recompute = recipe.recompute_fp8_weights  # the weights were saved: FP8 W^T made here
+        if recompute:
+            q = fp8_quantize(w_down_t, s_w, "e4m3", True, pow2)
+            w_down_t, w_down_t_scale = q.data_t, q.scale_inv_t
+            del q  # its row-major form: unused
         dy2 = dy.reshape(-1, dy.shape[-1])
         qdy = fp8_quantize(dy2, s_in, fmt, True, pow2)
         # down: dh = dy W_down (W_down^T [ffn, hidden] is b); dW_down = dy^T h
@@ -85,6 +98,10 @@ class _Fp8GatedMLP(torch.autograd.Function):
         qdgu = fp8_gated_backward(dh, gate, up, ctx.activation, s_in, fmt, True, pow2)
         del dh, gate, up  # not held through the gate/up GEMMs
         _release(gate_up)
+        if recompute:
+            q = _quantize_gate_up(w_gu_t, w_gu_t_scale, s_w, True, pow2)
+            w_gu_t, w_gu_t_scale = q.data_t, q.scale_inv_t
+            del q
         # gate/up: dx = d[gate | up] W_gu; dW_gu = d[gate | up]^T x
         dx = fp8_gemm(qdgu, s_in, _t(w_gu_t, w_gu_t_scale), s_w, ctx.x_dtype)
         _release(w_gu_t)
