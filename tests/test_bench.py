@@ -242,14 +242,16 @@ def test_model_bench_tiny_on_cpu(name):
 
 @pytest.mark.parametrize("name", ("llama-lm", "llama-8b-layers"))
 def test_model_bench_fp8_variants_tiny_on_cpu(name):
-    """With fp8 each case's row carries fuse(model, fp8=) with both recipes beside the bf16
-    fused model, timed in the same rounds (torchao's only with peers, on CUDA)."""
+    """With fp8 each case's row carries fuse(model, fp8=) with both recipes (blockwise also with
+    its weights quantized again in the backward) beside the bf16 fused model, timed in the same
+    rounds (torchao's only with peers, on CUDA)."""
     rows = model_bench.run(name, "cpu", batches=(1,), precisions=("bf16",), modes=("eager",),
                            rounds=1, steps=1, warmup=1, tiny=True, log=lambda line: None,
                            fp8=True)
     (r,) = rows
     assert r.model == name and not r.not_run
-    assert sorted(r.fp8) == ["fp8 blockwise", "fp8 tensorwise"]
+    assert sorted(r.fp8) == ["fp8 blockwise", "fp8 blockwise, recomputed weights",
+                             "fp8 tensorwise"]
     for v in r.fp8.values():
         assert v["ms"] > 0 and v["vs_fused"] == pytest.approx(r.fused_ms / v["ms"])
     assert "fp8 blockwise:" in model_bench.format_row(r)

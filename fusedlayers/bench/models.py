@@ -25,7 +25,8 @@ The first forward of the fused model, in eval() on the same input, is compared w
 one: ||fused - unfused|| / ||unfused||.
 
 With `fp8` the fused model is also timed as `fuse(model, fp8=recipe)` (blockwise and
-tensorwise: its linears FP8, the gated MLPs as fp8_gated_mlp, the LM head in bf16) and, with
+tensorwise: its linears FP8, the gated MLPs as fp8_gated_mlp, the LM head in bf16; blockwise
+also with recompute_fp8_weights, the weights quantized again in the backward) and, with
 `peers` where torchao imports, as torchao's float8 training (tensorwise and rowwise, the LM head
 left out as fuse() leaves it) under torch.compile, which torchao's casts need; their rows follow
 the case's row.
@@ -427,12 +428,14 @@ FALLIBLE = {"torchao tensorwise", "torchao rowwise"}
 
 def _fp8_variants(base, params: dict, peers: bool) -> dict:
     """name -> make() returning (model, mode): fuse(model, fp8=) with each recipe (the case's
-    mode) and, with peers, torchao's float8 training (compiled)."""
+    mode; blockwise also with recompute_fp8_weights, whose peak is the point) and, with peers,
+    torchao's float8 training (compiled)."""
     from ..fp8_recipe import Fp8Recipe
     from ..torch import fuse
-    out = {f"fp8 {r}": (lambda r=r: (fuse(copy.deepcopy(base, dict(params)),
-                                         fp8=Fp8Recipe(r)), None))
-           for r in ("blockwise", "tensorwise")}
+    recipes = {"fp8 blockwise": Fp8Recipe(), "fp8 tensorwise": Fp8Recipe("tensorwise"),
+               "fp8 blockwise, recomputed weights": Fp8Recipe(recompute_fp8_weights=True)}
+    out = {name: (lambda r=r: (fuse(copy.deepcopy(base, dict(params)), fp8=r), None))
+           for name, r in recipes.items()}
     if peers:
         for r in ("tensorwise", "rowwise"):
             out[f"torchao {r}"] = lambda r=r: (_torchao(copy.deepcopy(base, dict(params)), r),
@@ -475,7 +478,7 @@ def format_row(r: ModelRow) -> str:
             f"{_f(r.unfused_peak_mb, '12.0f'):>12}{_f(r.fused_peak_mb, '12.0f'):>12}"
             f"{r.first_forward_rel_diff:>10.1e}{_f(r.liger_ms, '10.2f'):>10}"
             f"{_f(r.liger_peak_mb, '10.0f'):>10}" + (f"  {r.not_run}" if r.not_run else "") +
-            "".join(f"\n  {k + ':':<20}{_f(v['ms'], '10.2f')} ms, "
+            "".join(f"\n  {k + ':':<35}{_f(v['ms'], '10.2f')} ms, "
                     f"{_f(v['vs_fused'], '.3f')}x fused, peak {_f(v['peak_mb'], '.0f')} MB"
                     for k, v in r.fp8.items()))
 
