@@ -164,8 +164,10 @@ def _multiplier(block: np.ndarray, fmt_max: float, power_of_2: bool) -> np.float
 # projections) and checked against its version counter (an in-place change invalidates it). An
 # entry lives as long as its tensor. Eager only: under torch.compile every layer quantizes its
 # own input and the compiler's CSE merges what repeats; so do inference tensors (inference_mode),
-# which keep no version counter, and tensor subclasses (fake, distributed), whose identity or
-# version may not be their data's.
+# which keep no version counter, tensor subclasses (fake, distributed), whose identity or
+# version may not be their data's, and CUDA graph captures: a graph replays the kernels it
+# captured, not this record, so an entry made before the capture (the warm-up's) would stand in
+# for the quantization each replay must run on the static input's new values.
 _QUANTIZED = torch.utils.weak.WeakIdKeyDictionary()
 
 
@@ -181,7 +183,8 @@ def quantize_input(x: torch.Tensor, scaling: str, format: str, transpose: bool,
     version, scaling, format and scales, x^T present where asked), else computed and recorded:
     layers reading one tensor quantize it once and save one x^T for their weight gradients."""
     cols = x.shape[-1]
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_inference():
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_inference() or \
+            (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return fp8_quantize(x.reshape(-1, cols), scaling, format, transpose, power_of_2_scales)
     entry = _QUANTIZED.get(x)
     if entry is None or entry.version != x._version or \
