@@ -23,11 +23,11 @@ class Fp8Recipe:
     (x^T, blocked along the tokens) for the backward instead of x itself.
     fast_accum: the fprop GEMM accumulates in Hopper's FP8 accumulators without promoting them
     (faster, less accurate; torchao's default for its forward); tensorwise only.
-    recompute_fp8_weights: the backward quantizes each weight again for its dgrad GEMM instead
-    of keeping the forward's FP8 W^T until then (as torchao's
-    force_recompute_fp8_weight_in_bwd): one byte a parameter less from the forward to the
-    backward (under FSDP, of the unsharded parameters) for one more pass over the weights; the
-    same FP8 values, so the same gradients.
+    recompute_fp8_weights: True (default): the backward quantizes each weight again for its
+    dgrad GEMM (as torchao's force_recompute_fp8_weight_in_bwd); False: the forward's FP8 W^T
+    is kept until then, one byte a parameter more from the forward to the backward (under FSDP,
+    of the unsharded parameters) for one pass over the weights less. The same FP8 values either
+    way, so the same gradients.
 
     Raises ValueError for an unknown scaling, format or GEMM, or hybrid or fast_accum with
     blockwise scaling.
@@ -37,7 +37,7 @@ class Fp8Recipe:
     power_of_2_scales: bool = False
     gemms: tuple = GEMMS
     fast_accum: bool = False
-    recompute_fp8_weights: bool = False
+    recompute_fp8_weights: bool = True
 
     def __post_init__(self):
         if self.scaling not in ("blockwise", "tensorwise"):

@@ -250,7 +250,7 @@ def test_model_bench_fp8_variants_tiny_on_cpu(name):
                            fp8=True)
     (r,) = rows
     assert r.model == name and not r.not_run
-    assert sorted(r.fp8) == ["fp8 blockwise", "fp8 blockwise, recomputed weights",
+    assert sorted(r.fp8) == ["fp8 blockwise", "fp8 blockwise, W^T kept",
                              "fp8 tensorwise"]
     for v in r.fp8.values():
         assert v["ms"] > 0 and v["vs_fused"] == pytest.approx(r.fused_ms / v["ms"])

@@ -1,7 +1,7 @@
-"""A fused Hugging Face Llama, the same with FP8 linear layers (fuse(fp8=Fp8Recipe(
-recompute_fp8_weights=True)): blockwise, whose 1x128 blocks of 128 tokens fall alike in a
-process's share and in the whole batch; the weights quantized again in the backward, from the
-parameters FSDP gathers again for it) and a fused
+"""A fused Hugging Face Llama, the same with FP8 linear layers (fuse(fp8=Fp8Recipe()):
+blockwise, whose 1x128 blocks of 128 tokens fall alike in a process's share and in the whole
+batch; the weights quantized again in the backward, from the parameters FSDP gathers again for
+it) and a fused
 Qwen3-MoE trained under FSDP2 with fusedlayers.torch.AdamW (bfloat16 parameters, float32 master
 weights, max_grad_norm clipping) on two processes (gloo on the CPU, NCCL on two GPUs), and under
 HSDP (a 2 x 2 mesh: two replicas of two shards) on four GPUs, against one process on the same global
@@ -63,7 +63,7 @@ else:  # no router loss: it is a mean over each forward's own tokens, not over t
                                          output_router_logits=False, **small)
 torch.manual_seed(0)
 lm = fuse(transformers.AutoModelForCausalLM.from_config(config), verbose=False,
-          fp8=Fp8Recipe(recompute_fp8_weights=True) if model == "llama_fp8" else None)
+          fp8=Fp8Recipe() if model == "llama_fp8" else None)
 assert (model == "llama_fp8") == any(type(m).__name__ == "Fp8Linear" for m in lm.modules())
 lm = lm.to(device, torch.bfloat16)  # the masters start from the bfloat16 weights, as under FSDP2
 if fsdp:  # on the CPU also where CUDA is present

@@ -27,8 +27,8 @@ RECIPES = {"blockwise": Fp8Recipe(), "tensorwise": Fp8Recipe("tensorwise"),
            "blockwise-pow2": Fp8Recipe(power_of_2_scales=True),
            "fprop-only": Fp8Recipe(gemms=("fprop",)), "no-fprop": Fp8Recipe(gemms=("dgrad",
                                                                                   "wgrad")),
-           "blockwise-recompute": Fp8Recipe(recompute_fp8_weights=True),
-           "no-fprop-recompute": Fp8Recipe(gemms=("dgrad", "wgrad"), recompute_fp8_weights=True)}
+           "blockwise-kept": Fp8Recipe(recompute_fp8_weights=False),
+           "no-fprop-kept": Fp8Recipe(gemms=("dgrad", "wgrad"), recompute_fp8_weights=False)}
 TORCH = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16, jnp.float16: torch.float16}
 CPU = jax.devices("cpu")[0]
 

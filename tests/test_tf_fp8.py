@@ -20,7 +20,7 @@ RECIPES = {"blockwise": Fp8Recipe(), "tensorwise": Fp8Recipe("tensorwise"),
            "hybrid": Fp8Recipe("tensorwise", "hybrid"),
            "blockwise-pow2": Fp8Recipe(power_of_2_scales=True),
            "fprop-only": Fp8Recipe(gemms=("fprop",)),
-           "blockwise-recompute": Fp8Recipe(recompute_fp8_weights=True)}
+           "blockwise-kept": Fp8Recipe(recompute_fp8_weights=False)}
 TORCH = {tf.float32: torch.float32, tf.bfloat16: torch.bfloat16, tf.float16: torch.float16}
 
 

@@ -26,7 +26,7 @@ one: ||fused - unfused|| / ||unfused||.
 
 With `fp8` the fused model is also timed as `fuse(model, fp8=recipe)` (blockwise and
 tensorwise: its linears FP8, the gated MLPs as fp8_gated_mlp, the LM head in bf16; blockwise
-also with recompute_fp8_weights, the weights quantized again in the backward) and, with
+also keeping the forward's FP8 W^T for the backward, recompute_fp8_weights=False) and, with
 `peers` where torchao imports, as torchao's float8 training (tensorwise and rowwise, the LM head
 left out as fuse() leaves it) under torch.compile, which torchao's casts need; their rows follow
 the case's row.
@@ -428,12 +428,12 @@ FALLIBLE = {"torchao tensorwise", "torchao rowwise"}
 
 def _fp8_variants(base, params: dict, peers: bool) -> dict:
     """name -> make() returning (model, mode): fuse(model, fp8=) with each recipe (the case's
-    mode; blockwise also with recompute_fp8_weights, whose peak is the point) and, with peers,
+    mode; blockwise also keeping the forward's FP8 W^T, recompute_fp8_weights=False) and, with peers,
     torchao's float8 training (compiled)."""
     from ..fp8_recipe import Fp8Recipe
     from ..torch import fuse
     recipes = {"fp8 blockwise": Fp8Recipe(), "fp8 tensorwise": Fp8Recipe("tensorwise"),
-               "fp8 blockwise, recomputed weights": Fp8Recipe(recompute_fp8_weights=True)}
+               "fp8 blockwise, W^T kept": Fp8Recipe(recompute_fp8_weights=False)}
     out = {name: (lambda r=r: (fuse(copy.deepcopy(base, dict(params)), fp8=r), None))
            for name, r in recipes.items()}
     if peers:
