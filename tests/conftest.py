@@ -1,7 +1,7 @@
 """Shared fixtures: a fresh random seed per test (reported when the test fails, and fixable with
 FUSEDLAYERS_TEST_SEED=<seed> to reproduce), seeding torch and, as `rng`, a numpy Generator;
-thread-count restoration; the long tests collected first; TensorFlow's device (its CPU unless a
-test is marked cuda); and the one guard on the optional frameworks: TensorFlow's and Keras'
+torch's threads shared among pytest-xdist's workers; thread-count restoration; the long tests
+collected first; TensorFlow's device (its CPU unless a test is marked cuda); and the one guard on the optional frameworks: TensorFlow's and Keras'
 tests skip where those are not installed, so where they are installed but do not import, the
 session fails instead of turning half the suite into skips."""
 
@@ -22,6 +22,13 @@ fusedlayers.quiet_tensorflow_logs()
 # TensorFlow takes a GPU's memory as it needs it, not all of it at start: torch and JAX share the
 # device within a test process and among pytest-xdist's workers.
 os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+# pytest-xdist's workers share the machine's cores: each worker's torch takes its share of them
+# (at least one thread). With more threads than cores, OpenMP's threads wait for descheduled
+# peers at every parallel region's barrier, and small CPU ops run many times slower. Tests of
+# the kernels' threading set their own thread counts (restore_threads).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _workers))
 # Two CPU devices for JAX's sharding tests: XLA reads this when JAX first starts its CPU client.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
