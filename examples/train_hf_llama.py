@@ -24,9 +24,10 @@ process taking its share of every global batch; `num_items_in_batch` is the coun
 the processes (all_reduce), and the loss is scaled by the number of processes, whose gradients
 the engines average: the same training as one process on the whole batch.
 
-With --fp8 blockwise|tensorwise the fused run also makes every linear layer but the LM head an
-FP8 one (`fuse(model, fp8=fusedlayers.Fp8Recipe(...))`: its GEMMs on FP8 operands, quantized
-by 1x128 / 128x128 blocks or per tensor); its curve is held to the tolerances of the bf16 run
+With --fp8 blockwise|tensorwise|hybrid the fused run also makes every linear layer but the LM
+head an FP8 one (`fuse(model, fp8=fusedlayers.Fp8Recipe(...))`: its GEMMs on FP8 operands,
+quantized by 1x128 / 128x128 blocks or per tensor; hybrid: per tensor with E5M2 gradients); its
+curve is held to the tolerances of the bf16 run
 (--master-weights), and the mean loss of the last fifth of the steps is printed beside the
 unfused run's.
 
@@ -165,8 +166,9 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the logged losses as JSON")
     parser.add_argument("--distributed", choices=("ddp", "fsdp"),
                         help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard)")
-    parser.add_argument("--fp8", choices=("blockwise", "tensorwise"),
-                        help="the fused run's linear layers in FP8 with this scaling")
+    parser.add_argument("--fp8", choices=("blockwise", "tensorwise", "hybrid"),
+                        help="the fused run's linear layers in FP8 with this recipe (hybrid: "
+                             "tensorwise, E5M2 gradients)")
     parser.add_argument("--master-weights", action="store_true",
                         help="the fused run in bf16 parameters with float32 masters "
                              "(fusedlayers.torch.AdamW.with_master_weights)")
@@ -204,7 +206,8 @@ def main() -> int:
 
     torch.manual_seed(args.seed)
     unfused_lm = model(device)
-    recipe = fusedlayers.Fp8Recipe(args.fp8) if args.fp8 else None
+    recipe = None if not args.fp8 else fusedlayers.Fp8Recipe("tensorwise", "hybrid") \
+        if args.fp8 == "hybrid" else fusedlayers.Fp8Recipe(args.fp8)
     fused_lm = fuse(copy.deepcopy(unfused_lm), fp8=recipe)
     print(fused_lm.fusedlayers_report, end="\n\n")
     swapped = " ".join(what for _, _, what in fused_lm.fusedlayers_report.swapped)
