@@ -28,7 +28,8 @@ os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 # the kernels' threading set their own thread counts (restore_threads).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _workers))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (_cores or 1) // _workers))
 # Two CPU devices for JAX's sharding tests: XLA reads this when JAX first starts its CPU client.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
