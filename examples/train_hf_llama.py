@@ -68,6 +68,10 @@ MASTER_FIRST_RTOL = 1e-2
 LOSS_RTOL = 5e-2
 MAX_HELD_OUT = 2.5  # nats per byte
 SEQ = 128
+# --fp8's recipes: hybrid is tensorwise with E5M2 gradients
+FP8_RECIPES = {"blockwise": fusedlayers.Fp8Recipe(),
+               "tensorwise": fusedlayers.Fp8Recipe("tensorwise"),
+               "hybrid": fusedlayers.Fp8Recipe("tensorwise", "hybrid")}
 
 
 def corpus(max_bytes: int) -> bytes:
@@ -166,7 +170,7 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the logged losses as JSON")
     parser.add_argument("--distributed", choices=("ddp", "fsdp"),
                         help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard)")
-    parser.add_argument("--fp8", choices=("blockwise", "tensorwise", "hybrid"),
+    parser.add_argument("--fp8", choices=tuple(FP8_RECIPES),
                         help="the fused run's linear layers in FP8 with this recipe (hybrid: "
                              "tensorwise, E5M2 gradients)")
     parser.add_argument("--master-weights", action="store_true",
@@ -206,8 +210,7 @@ def main() -> int:
 
     torch.manual_seed(args.seed)
     unfused_lm = model(device)
-    recipe = None if not args.fp8 else fusedlayers.Fp8Recipe("tensorwise", "hybrid") \
-        if args.fp8 == "hybrid" else fusedlayers.Fp8Recipe(args.fp8)
+    recipe = FP8_RECIPES[args.fp8] if args.fp8 else None
     fused_lm = fuse(copy.deepcopy(unfused_lm), fp8=recipe)
     print(fused_lm.fusedlayers_report, end="\n\n")
     swapped = " ".join(what for _, _, what in fused_lm.fusedlayers_report.swapped)

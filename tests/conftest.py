@@ -1,9 +1,10 @@
 """Shared fixtures: a fresh random seed per test (reported when the test fails, and fixable with
 FUSEDLAYERS_TEST_SEED=<seed> to reproduce), seeding torch and, as `rng`, a numpy Generator;
 torch's threads shared among pytest-xdist's workers; thread-count restoration; the long tests
-collected first; TensorFlow's device (its CPU unless a test is marked cuda); and the one guard on the optional frameworks: TensorFlow's and Keras'
-tests skip where those are not installed, so where they are installed but do not import, the
-session fails instead of turning half the suite into skips."""
+collected first; TensorFlow's device (its CPU unless a test is marked cuda); and the one guard
+on the optional frameworks: TensorFlow's and Keras' tests skip where those are not installed, so
+where they are installed but do not import, the session fails instead of turning half the suite
+into skips."""
 
 import importlib
 import importlib.util

@@ -428,8 +428,8 @@ FALLIBLE = {"torchao tensorwise", "torchao rowwise"}
 
 def _fp8_variants(base, params: dict, peers: bool) -> dict:
     """name -> make() returning (model, mode): fuse(model, fp8=) with each recipe (the case's
-    mode; blockwise also keeping the forward's FP8 W^T, recompute_fp8_weights=False) and, with peers,
-    torchao's float8 training (compiled)."""
+    mode; blockwise also keeping the forward's FP8 W^T, recompute_fp8_weights=False) and, with
+    peers, torchao's float8 training (compiled)."""
     from ..fp8_recipe import Fp8Recipe
     from ..torch import fuse
     recipes = {"fp8 blockwise": Fp8Recipe(), "fp8 tensorwise": Fp8Recipe("tensorwise"),
