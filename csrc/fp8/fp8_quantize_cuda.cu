@@ -1,13 +1,13 @@
-// CUDA FP8 quantization by 128x128 tiles of x. Where x's rows are whole 16-byte chunks (the
-// usual case), staged_tile_kernel: persistent blocks copy the next tile into shared memory
-// (cp.async) while they quantize the current one from there (fp8_tile.cuh's quantize_tile: x's
-// rows and, with transpose, x^T's, each written 8 bytes a lane). Elsewhere quantize_tile_kernel:
-// a block of 256 threads per tile, each warp loading 16 of its rows (a lane 4 adjacent values of
-// each) and, with transpose, passing the tile through shared memory (rows padded to an odd number
-// of words: conflict-free columns). Either takes each 1x128 block's amax by warp shuffles or the
-// tile's by a block reduction. Tensorwise scaling first reduces the tensor's amax (atomicMax on
-// the bits): two passes over x. The values go through the hardware's conversion of the float32
-// product rounded to odd: fp8.h's rounding, so results match the CPU kernels bit for bit.
+// CUDA FP8 quantization by 128x128 tiles of x, a block of 256 threads per tile. Where x's rows
+// are whole 16-byte chunks (the usual case), staged_tile_kernel: the block copies its tile into
+// shared memory (cp.async) and quantizes it from there (fp8_tile.cuh's quantize_tile: x's rows
+// and, with transpose, x^T's, each written 8 bytes a lane). Elsewhere quantize_tile_kernel: each
+// warp loads 16 of the tile's rows (a lane 4 adjacent values of each) and, with transpose,
+// passes the tile through shared memory (rows padded to an odd number of words: conflict-free
+// columns). Either takes each 1x128 block's amax by warp shuffles or the tile's by a block
+// reduction. Tensorwise scaling first reduces the tensor's amax (atomicMax on the bits): two
+// passes over x. The values go through the hardware's conversion of the float32 product rounded
+// to odd: fp8.h's rounding, so results match the CPU kernels bit for bit.
 #include "fp8/fp8_tile.cuh"
 
 namespace fusedlayers {
@@ -149,13 +149,14 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out), amax);
 }
 
-// x's rows as 16-byte chunks (cols a multiple of 16 / sizeof(T), x 16-byte aligned): a
-// persistent block of 256 threads per SM slot walks the tiles, copying the next tile into shared
-// memory (cp.async, two stages) while it quantizes the current one from there: x's rows (a half
-// or whole warp per row, a lane one chunk) and, with transpose, x^T's (a lane one chunk of a
-// row, a warp 32 rows at a time). The loads in flight are whole tiles, not registers.
+// x's rows as 16-byte chunks (cols a multiple of 16 / sizeof(T), x 16-byte aligned): one block
+// of 256 threads per tile copies it into shared memory (cp.async: the whole tile's loads in
+// flight at once, not through registers) and quantizes it from there: x's rows (a half or whole
+// warp per row, a lane one chunk) and, with transpose, x^T's (fp8_tile.cuh). Four blocks an SM
+// (three for float32's 64 KB tiles) overlap each other's loads and quantization; a persistent
+// block double-buffering its tiles keeps fewer loads in flight and is slower.
 template <typename T, Fp8Scaling kScaling, bool kTranspose>
-__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 1)  // blocks that fit 228 KB
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 3)
     staged_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
                        bool pow2, const float* __restrict__ tensor_amax,
                        uint8_t* __restrict__ q, float* __restrict__ scale_inv,
@@ -165,63 +166,45 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 1)  // blocks t
   constexpr int kRowStep = kThreads / kChunks;  // a thread copies chunk jt of every kRowStep-th row
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint32_t warp_max[kWarps];
-  const int col_blocks = int((cols + kFp8Block - 1) / kFp8Block);
-  const int tiles = col_blocks * int((rows + kFp8Block - 1) / kFp8Block);
+  const Tile tile{smem_raw};
+  const int64_t stripe = blockIdx.y, cb = blockIdx.x;
+  const int jt = threadIdx.x % kChunks, row_t = threadIdx.x / kChunks;
+  const int64_t r = stripe * kFp8Block + row_t, c = cb * kFp8Block + jt * kPer;
+  const int64_t rows_left = c < cols ? rows - r : 0;
+  const T* src = x + r * cols + c;
+#pragma unroll
+  for (int k = 0; k < kFp8Block / kRowStep; ++k, src += kRowStep * cols) {
+    const bool valid = k * kRowStep < rows_left;
+    cp_async16(tile.chunk(row_t + k * kRowStep, jt), valid ? src : x, valid);
+  }
+  cp_async_commit();
   const float tensor_s = kScaling == Fp8Scaling::kTensorwise
                              ? fp8::multiplier(*tensor_amax, f, pow2) : 0.f;
-  const int jt = threadIdx.x % kChunks, row_t = threadIdx.x / kChunks;
-
-  const auto issue = [&](int t, int stage) {
-    const Tile tile{smem_raw + stage * Tile::kBytes};
-    const int64_t r = int64_t(t / col_blocks) * kFp8Block + row_t;
-    const int64_t c = int64_t(t % col_blocks) * kFp8Block + jt * kPer;
-    const int64_t rows_left = c < cols ? rows - r : 0;
-    const T* src = x + r * cols + c;
-#pragma unroll
-    for (int k = 0; k < kFp8Block / kRowStep; ++k, src += kRowStep * cols) {
-      const bool valid = k * kRowStep < rows_left;
-      cp_async16(tile.chunk(row_t + k * kRowStep, jt), valid ? src : x, valid);
-    }
-  };
-
-  int stage = 0;
-  if (int(blockIdx.x) < tiles) issue(blockIdx.x, 0);
-  cp_async_commit();
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x, stage ^= 1) {
-    if (t + int(gridDim.x) < tiles) issue(t + gridDim.x, stage ^ 1);
-    cp_async_commit();
-    cp_async_wait_one();
-    __syncthreads();
-    quantize_tile<T, kScaling, kTranspose>(Tile{smem_raw + stage * Tile::kBytes},
-                                           t / col_blocks, t % col_blocks, rows, cols, f, pow2,
-                                           tensor_s, q, scale_inv, q_t, scale_inv_t, warp_max);
-    __syncthreads();  // the stage is free for the tile after next
-  }
+  cp_async_wait_all();
+  __syncthreads();
+  quantize_tile<T, kScaling, kTranspose>(tile, stripe, cb, rows, cols, f, pow2, tensor_s, q,
+                                         scale_inv, q_t, scale_inv_t, warp_max);
 }
 
 template <typename T, Fp8Scaling kScaling, bool kTranspose>
 void launch_tiles(const Fp8Quantize& a, const T* x, int64_t rows, int64_t cols,
                   cudaStream_t stream) {
   const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
-  const int64_t tiles = col_blocks * ((rows + kFp8Block - 1) / kFp8Block);
+  const dim3 grid(unsigned(col_blocks), unsigned((rows + kFp8Block - 1) / kFp8Block));
   if (cols % StagedTile<T>::kPerChunk == 0 && cuda::aligned(x, 16) && cuda::aligned(a.q, 8)) {
     constexpr auto kernel = staged_tile_kernel<T, kScaling, kTranspose>;
-    const size_t smem = 2 * size_t(StagedTile<T>::kBytes);
-    const int per_sm = cuda::resident_blocks<kernel>(kThreads, smem);
-    if (per_sm == 0)
+    const size_t smem = StagedTile<T>::kBytes;
+    if (smem > 48 * 1024 && cuda::resident_blocks<kernel>(kThreads, smem) == 0)
       fail("fp8_quantize: the device cannot give a block " + std::to_string(smem) +
            " bytes of shared memory");
-    const int64_t blocks = std::min<int64_t>(tiles, int64_t(cuda::sm_count()) * per_sm);
-    kernel<<<unsigned(blocks), kThreads, smem, stream>>>(
-        x, rows, cols, a.format, a.power_of_2_scales, a.amax, a.q, a.scale_inv, a.q_t,
-        a.scale_inv_t);
+    kernel<<<grid, kThreads, smem, stream>>>(x, rows, cols, a.format, a.power_of_2_scales,
+                                             a.amax, a.q, a.scale_inv, a.q_t, a.scale_inv_t);
   } else {
     constexpr auto kernel = quantize_tile_kernel<T, kScaling, kTranspose>;
     const size_t smem = kTranspose ? size_t(kFp8Block) * tile_stride<T>() * sizeof(T) : 0;
     if (smem > 48 * 1024 && cuda::resident_blocks<kernel>(kThreads, smem) == 0)
       fail("fp8_quantize: the device cannot give a block " + std::to_string(smem) +
            " bytes of shared memory");
-    const dim3 grid(unsigned(col_blocks), unsigned((rows + kFp8Block - 1) / kFp8Block));
     kernel<<<grid, kThreads, smem, stream>>>(x, rows, cols, a.format, a.power_of_2_scales,
                                              a.amax, a.q, a.scale_inv, a.q_t, a.scale_inv_t);
   }

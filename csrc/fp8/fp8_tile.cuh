@@ -140,9 +140,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
                "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_one() {
-  asm volatile("cp.async.wait_group 1;\n" ::);
-}
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 // A 128x128 tile in shared memory: rows of 16-byte chunks, a row's chunk j stored at j ^ g(row),

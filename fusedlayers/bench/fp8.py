@@ -8,6 +8,9 @@ Shapes: Llama-3-8B's at 8192 tokens on CUDA (the norm's output 8192 x 4096 and t
 8192 x 14336 in 1x128 blocks and tensorwise, the down projection's weight 4096 x 14336 in
 128x128 tiles); 1024 x 1024 on the CPU. x in bfloat16, E4M3.
 
+Each quantization's "copy" row: a copy of x (its bytes read and written), the bandwidth a
+tensor of that size reaches, beside the large copy's that "% copy" is of.
+
 The fused producers' rows (output "swiglu", "swiglu'"): fp8_gated (SwiGLU's output quantized
 with its x^T, from the halves of one gate/up projection) and fp8_gated_backward ([dgate | dup]
 quantized with its transpose), beside the two ops they replace (fusedlayers' swiglu then
@@ -123,11 +126,14 @@ def run(device: str = "cuda", rounds: int = 5, reps: int = 20, compile: bool = T
     rows = []
     for shape, scaling, transpose, producer in cases(dev.type):
         x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        dst = None
         if producer:
             fns, work = producer_fns(producer, x, scaling, compile)
         else:
+            dst = torch.empty_like(x)
             fns = {"fusedlayers": lambda: fp8_quantize(x, scaling, "e4m3", transpose),
-                   "eager": lambda: unfused(x, scaling, transpose)}
+                   "eager": lambda: unfused(x, scaling, transpose),
+                   "copy": lambda: dst.copy_(x)}
             if compile:
                 compiled = torch.compile(unfused, dynamic=False)
                 fns["compile"] = lambda: compiled(x, scaling, transpose)
@@ -140,14 +146,14 @@ def run(device: str = "cuda", rounds: int = 5, reps: int = 20, compile: bool = T
                              producer=producer or "")
             else:
                 ms = statistics.median(t)
-                gbs = work / ms / 1e6
+                gbs = (2 * x.nbytes if impl == "copy" else work) / ms / 1e6
                 ratio = {k: speedup(times[k], t) for k in ("eager", "compile")
                          if impl == "fusedlayers" and isinstance(times.get(k), list)}
                 row = Fp8Row(shape, scaling, transpose, impl, ms, gbs, 100 * gbs / copy_gbs, t,
                              ratio.get("eager"), ratio.get("compile"), producer=producer or "")
             rows.append(row)
             log(format_row(row, output))
-        del fns, x
+        del fns, x, dst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
