@@ -1,5 +1,5 @@
-// CPU FP8 quantization: 128-row stripes in parallel; per stripe, each 128-column block staged in
-// float32, then each 1x128 block's or 128x128 tile's amax and its values, in loops the compiler
+// CPU FP8 quantization: 128x128 tiles in parallel, each staged in float32, then each 1x128
+// block's or the tile's amax and its values (x's rows and x^T's), in loops the compiler
 // vectorizes (every target clone). A value is fp8.h's rule computed from the exact product: x * s
 // in double is exact (24 + 24 significant bits), and rounding it once to the format's grid (to
 // nearest even, saturating) is what fp8::quantize does with the float product and its residual,
@@ -95,50 +95,49 @@ void quantize_stripes(const Fp8Quantize& a, const T* x, int64_t rows, int64_t co
   const int64_t ld_t = fp8_scale_sizes(a.scaling, rows, cols, true).ld;
   const float tensor_s = a.scaling == Fp8Scaling::kTensorwise ? fp8::multiplier(*a.amax, F, pow2)
                                                               : 0.f;
-  parallel_for(stripes, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(stripes * col_blocks, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t kB = kFp8Block;
     cpu::Row<float> tile(static_cast<size_t>(kB * kB)), col_s(static_cast<size_t>(kB));
     cpu::Row<uint32_t> col_max(static_cast<size_t>(kB));
     cpu::Row<uint8_t> codes(a.q_t ? static_cast<size_t>(kB * kB) : 0);
-    for (int64_t stripe = begin; stripe < end; ++stripe) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t stripe = t / col_blocks, cb = t % col_blocks;
       const int64_t r0 = stripe * kB, nr = std::min(rows - r0, kB);
-      for (int64_t cb = 0; cb < col_blocks; ++cb) {
-        const int64_t c0 = cb * kB, nc = std::min(cols - c0, kB);
-        for (int64_t i = 0; i < nr; ++i) cpu::load(x + (r0 + i) * cols + c0, &tile[i * kB], nc);
-        float tile_s = tensor_s;
-        if (a.scaling == Fp8Scaling::kBlock128x128) {
-          uint32_t m = 0;
-          for (int64_t i = 0; i < nr; ++i) m = std::max(m, amax_bits(&tile[i * kB], nc));
-          tile_s = fp8::multiplier(cpu::float_of(m), F, pow2);
-          a.scale_inv[stripe * ld + cb] = 1.f / tile_s;
-          if (a.q_t) a.scale_inv_t[cb * ld_t + stripe] = 1.f / tile_s;
-        }
-        for (int64_t i = 0; i < nr; ++i) {
-          float s = tile_s;
-          if (a.scaling == Fp8Scaling::kBlock1x128) {
-            s = fp8::multiplier(cpu::float_of(amax_bits(&tile[i * kB], nc)), F, pow2);
-            a.scale_inv[cb * rows + r0 + i] = 1.f / s;
-          }
-          quantize_row<F>(&tile[i * kB], s, nc, a.q + (r0 + i) * cols + c0);
-        }
-        if (!a.q_t) continue;
-        // x^T's rows: the block's columns over this stripe's rows, quantized a row of x at a
-        // time into codes, then written transposed
-        std::fill(col_s.begin(), col_s.end(), tile_s);
+      const int64_t c0 = cb * kB, nc = std::min(cols - c0, kB);
+      for (int64_t i = 0; i < nr; ++i) cpu::load(x + (r0 + i) * cols + c0, &tile[i * kB], nc);
+      float tile_s = tensor_s;
+      if (a.scaling == Fp8Scaling::kBlock128x128) {
+        uint32_t m = 0;
+        for (int64_t i = 0; i < nr; ++i) m = std::max(m, amax_bits(&tile[i * kB], nc));
+        tile_s = fp8::multiplier(cpu::float_of(m), F, pow2);
+        a.scale_inv[stripe * ld + cb] = 1.f / tile_s;
+        if (a.q_t) a.scale_inv_t[cb * ld_t + stripe] = 1.f / tile_s;
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        float s = tile_s;
         if (a.scaling == Fp8Scaling::kBlock1x128) {
-          std::fill(col_max.begin(), col_max.end(), 0u);
-          for (int64_t i = 0; i < nr; ++i) column_amax_bits(&tile[i * kB], col_max.data(), nc);
-          for (int64_t j = 0; j < nc; ++j) {
-            col_s[j] = fp8::multiplier(cpu::float_of(col_max[j]), F, pow2);
-            a.scale_inv_t[stripe * cols + c0 + j] = 1.f / col_s[j];
-          }
+          s = fp8::multiplier(cpu::float_of(amax_bits(&tile[i * kB], nc)), F, pow2);
+          a.scale_inv[cb * rows + r0 + i] = 1.f / s;
         }
-        for (int64_t i = 0; i < nr; ++i)
-          quantize_row_by_column<F>(&tile[i * kB], col_s.data(), nc, &codes[i * kB]);
+        quantize_row<F>(&tile[i * kB], s, nc, a.q + (r0 + i) * cols + c0);
+      }
+      if (!a.q_t) continue;
+      // x^T's rows: the tile's columns over its rows, quantized a row of x at a time into
+      // codes, then written transposed
+      std::fill(col_s.begin(), col_s.end(), tile_s);
+      if (a.scaling == Fp8Scaling::kBlock1x128) {
+        std::fill(col_max.begin(), col_max.end(), 0u);
+        for (int64_t i = 0; i < nr; ++i) column_amax_bits(&tile[i * kB], col_max.data(), nc);
         for (int64_t j = 0; j < nc; ++j) {
-          uint8_t* dst = a.q_t + (c0 + j) * rows + r0;
-          for (int64_t i = 0; i < nr; ++i) dst[i] = codes[i * kB + j];
+          col_s[j] = fp8::multiplier(cpu::float_of(col_max[j]), F, pow2);
+          a.scale_inv_t[stripe * cols + c0 + j] = 1.f / col_s[j];
         }
+      }
+      for (int64_t i = 0; i < nr; ++i)
+        quantize_row_by_column<F>(&tile[i * kB], col_s.data(), nc, &codes[i * kB]);
+      for (int64_t j = 0; j < nc; ++j) {
+        uint8_t* dst = a.q_t + (c0 + j) * rows + r0;
+        for (int64_t i = 0; i < nr; ++i) dst[i] = codes[i * kB + j];
       }
     }
   });
