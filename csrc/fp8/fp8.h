@@ -66,6 +66,17 @@ FUSEDLAYERS_HOST_DEVICE float from_bits(uint32_t u) {
   return v;
 }
 
+// A format's encoding: mantissa bits, exponent bias, the code of its largest finite value.
+FUSEDLAYERS_HOST_DEVICE constexpr int mantissa_bits(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? 3 : 2;
+}
+FUSEDLAYERS_HOST_DEVICE constexpr int exponent_bias(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? 7 : 15;
+}
+FUSEDLAYERS_HOST_DEVICE constexpr uint32_t max_code(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? 0x7e : 0x7b;
+}
+
 FUSEDLAYERS_HOST_DEVICE float max_value(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.f : 57344.f; }
 
 // max |x| that keeps NaN (fmaxf would drop it).
@@ -89,9 +100,8 @@ FUSEDLAYERS_HOST_DEVICE float multiplier(float amax, Fp8Format f, bool power_of_
 // decides only where p lies exactly on a tie (as p and the exact value are on the same side of
 // any other point of the FP8 grid).
 FUSEDLAYERS_HOST_DEVICE uint8_t encode(float p, int residual_sign, Fp8Format f) {
-  const int man = f == Fp8Format::kE4M3 ? 3 : 2;
-  const int bias = f == Fp8Format::kE4M3 ? 7 : 15;
-  const uint32_t max_code = f == Fp8Format::kE4M3 ? 0x7e : 0x7b;
+  const int man = mantissa_bits(f), bias = exponent_bias(f);
+  const uint32_t top = max_code(f);
   const uint32_t u = bits(p), au = u & 0x7fffffffu;
   const uint32_t sign = (u >> 24) & 0x80;
   if (au > 0x7f800000u) return 0x7f;  // NaN
@@ -111,9 +121,9 @@ FUSEDLAYERS_HOST_DEVICE uint8_t encode(float p, int residual_sign, Fp8Format f) 
     r += (rem > half || (rem == half && (away > 0 || (away == 0 && (r & 1u))))) ? 1u : 0u;
     const int exp = int(r >> man) - 127 + bias;
     code = exp > (f == Fp8Format::kE4M3 ? 15 : 30)
-               ? max_code
+               ? top
                : (uint32_t(exp) << man) | (r & ((1u << man) - 1));
-    if (code > max_code) code = max_code;  // E4M3's 480 (0x7F is NaN there)
+    if (code > top) code = top;  // E4M3's 480 (0x7F is NaN there)
   }
   return uint8_t(sign | code);
 }
@@ -132,8 +142,7 @@ FUSEDLAYERS_HOST_DEVICE uint8_t quantize(float x, float s, Fp8Format f) {
 
 // The value of an FP8 byte.
 FUSEDLAYERS_HOST_DEVICE float decode(uint8_t q, Fp8Format f) {
-  const int man = f == Fp8Format::kE4M3 ? 3 : 2;
-  const int bias = f == Fp8Format::kE4M3 ? 7 : 15;
+  const int man = mantissa_bits(f), bias = exponent_bias(f);
   const float sign = (q & 0x80) ? -1.f : 1.f;
   const uint32_t mag = q & 0x7f;
   const uint32_t exp = mag >> man, m = mag & ((1u << man) - 1);

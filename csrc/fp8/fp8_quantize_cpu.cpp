@@ -15,13 +15,13 @@ namespace {
 
 using cpu::bits_of;
 
-// A format's encoding constants: mantissa bits, exponent bias, largest finite code.
+// fp8.h's encoding constants of a format, and the two powers of two encode_exact needs.
 template <Fp8Format F>
 struct Format {
-  static constexpr int kMan = F == Fp8Format::kE4M3 ? 3 : 2;
-  static constexpr int kBias = F == Fp8Format::kE4M3 ? 7 : 15;
-  static constexpr uint64_t kMaxCode = F == Fp8Format::kE4M3 ? 0x7e : 0x7b;
-  // the smallest normal, and the multiplier that puts the subnormal step at 1
+  static constexpr int kMan = fp8::mantissa_bits(F), kBias = fp8::exponent_bias(F);
+  static constexpr uint64_t kMaxCode = fp8::max_code(F);
+  // the smallest normal, 2^(1 - bias), and the multiplier 2^(man + bias - 1) that puts the
+  // subnormal step at 1
   static constexpr double kMinNormal = F == Fp8Format::kE4M3 ? 0x1p-6 : 0x1p-14;
   static constexpr double kSubnormalScale = F == Fp8Format::kE4M3 ? 0x1p9 : 0x1p16;
 };
