@@ -28,9 +28,16 @@ class Fp8Recipe:
     is kept until then, one byte a parameter more from the forward to the backward (under FSDP,
     of the unsharded parameters) for one pass over the weights less. The same FP8 values either
     way, so the same gradients.
+    wgrad_x_scaling: blockwise only, how the forward quantizes x^T for the weight gradient:
+    "1x128" (default; DeepSeek-V3's, blocks of 128 tokens of one feature) or "128x128" (tiles
+    of 128 tokens x 128 features, in the same pass as x's 1x128 blocks: the weight gradient then
+    runs the 1x128 x 128x128 GEMM that fprop and dgrad run, which cuBLASLt makes faster than
+    its 1x128 x 1x128 one; coarser scales for x in that GEMM alone, as Transformer Engine's
+    Float8BlockScaling with x_block_scaling_dim=2 scales x). TensorFlow needs the token count
+    known while tracing.
 
-    Raises ValueError for an unknown scaling, format or GEMM, or hybrid or fast_accum with
-    blockwise scaling.
+    Raises ValueError for an unknown scaling, format, GEMM or wgrad_x_scaling, hybrid or
+    fast_accum with blockwise scaling, or wgrad_x_scaling "128x128" with tensorwise scaling.
     """
     scaling: str = "blockwise"
     format: str = "e4m3"
@@ -38,6 +45,7 @@ class Fp8Recipe:
     gemms: tuple = GEMMS
     fast_accum: bool = False
     recompute_fp8_weights: bool = True
+    wgrad_x_scaling: str = "1x128"
 
     def __post_init__(self):
         if self.scaling not in ("blockwise", "tensorwise"):
@@ -52,6 +60,12 @@ class Fp8Recipe:
         if self.fast_accum and self.scaling == "blockwise":
             raise ValueError("fusedlayers.Fp8Recipe: fast_accum needs scaling 'tensorwise' "
                              "(block scales are applied where the accumulators are promoted)")
+        if self.wgrad_x_scaling not in ("1x128", "128x128"):
+            raise ValueError(f"fusedlayers.Fp8Recipe: wgrad_x_scaling must be '1x128' or "
+                             f"'128x128', got {self.wgrad_x_scaling!r}")
+        if self.wgrad_x_scaling == "128x128" and self.scaling != "blockwise":
+            raise ValueError("fusedlayers.Fp8Recipe: wgrad_x_scaling '128x128' needs scaling "
+                             "'blockwise' (tensorwise scales x^T by the tensor's amax)")
         unknown = set(self.gemms) - set(GEMMS)
         if unknown:
             raise ValueError(f"fusedlayers.Fp8Recipe: gemms must be among {GEMMS}, got "
@@ -63,6 +77,11 @@ class Fp8Recipe:
     def input_scaling(self) -> str:
         """x's and dy's (and their transposes')."""
         return "1x128" if self.scaling == "blockwise" else "tensorwise"
+
+    @property
+    def input_t_scaling(self) -> str:
+        """x^T's, the weight gradient's b operand (dy^T, its a, takes input_scaling)."""
+        return self.wgrad_x_scaling if self.scaling == "blockwise" else "tensorwise"
 
     @property
     def weight_scaling(self) -> str:

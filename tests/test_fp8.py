@@ -12,13 +12,18 @@ from fusedlayers.torch import fp8_quantize
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SCALINGS = ["tensorwise", "1x128", "128x128"]
+# (scaling, scaling_t): each scaling with x^T scaled as x, and x by 1x128 blocks with x^T by tiles
+SCALING_PAIRS = pytest.mark.parametrize(
+    "scaling,scaling_t", [(s, None) for s in SCALINGS] + [("1x128", "128x128")],
+    ids=SCALINGS + ["1x128,t128x128"])
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-def assert_matches_reference(x, scaling, format, transpose=False, power_of_2_scales=False):
-    got = fp8_quantize(x, scaling, format, transpose, power_of_2_scales)
-    want = fp8_module.reference(x, scaling, format, transpose, power_of_2_scales)
+def assert_matches_reference(x, scaling, format, transpose=False, power_of_2_scales=False,
+                             scaling_t=None):
+    got = fp8_quantize(x, scaling, format, transpose, power_of_2_scales, scaling_t)
+    want = fp8_module.reference(x, scaling, format, transpose, power_of_2_scales, scaling_t)
     assert got.data.dtype == fp8_module.FORMATS[format] and got.data.shape == x.shape
     np.testing.assert_array_equal(got.data.float().cpu().numpy(), want[0])
     np.testing.assert_array_equal(got.scale_inv.cpu().numpy(), want[1])
@@ -35,8 +40,8 @@ def assert_matches_reference(x, scaling, format, transpose=False, power_of_2_sca
 @pytest.mark.parametrize("transpose", [False, True], ids=["rows", "cast-transpose"])
 @pytest.mark.parametrize("format", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_matches_float64_reference(scaling, dtype, format, transpose, device, seed):
+@SCALING_PAIRS
+def test_matches_float64_reference(scaling, scaling_t, dtype, format, transpose, device, seed):
     """Odd sizes (partial blocks on both edges), values spanning 2^-20..2^6 so some blocks reach
     the format's subnormals, a non-contiguous x."""
     g = torch.Generator().manual_seed(seed)
@@ -44,17 +49,18 @@ def test_matches_float64_reference(scaling, dtype, format, transpose, device, se
         torch.exp2(torch.randint(-20, 6, (2, 131, 1), generator=g).double())
     x = x.to(dtype).to(device).transpose(1, 2).contiguous().transpose(1, 2)  # column-major
     assert not x.is_contiguous()
-    assert_matches_reference(x, scaling, format, transpose)
+    assert_matches_reference(x, scaling, format, transpose, scaling_t=scaling_t)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_power_of_2_scales_dequantize_exactly(scaling, device, seed):
+@SCALING_PAIRS
+def test_power_of_2_scales_dequantize_exactly(scaling, scaling_t, device, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(300, 200, generator=g).to(device)
-    q = assert_matches_reference(x, scaling, "e4m3", True, True)
-    mantissa = torch.frexp(q.scale_inv)[0]
-    assert torch.all(mantissa == 0.5), "a scale is not a power of two"
+    q = assert_matches_reference(x, scaling, "e4m3", True, True, scaling_t)
+    for scales in (q.scale_inv, q.scale_inv_t):
+        mantissa = torch.frexp(scales)[0]
+        assert torch.all(mantissa == 0.5), "a scale is not a power of two"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -114,11 +120,11 @@ def test_ties_follow_the_exact_product(format, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_empty(scaling, device):
+@SCALING_PAIRS
+def test_empty(scaling, scaling_t, device):
     for shape in [(0, 130), (5, 0)]:
         x = torch.empty(shape, device=device)
-        q = assert_matches_reference(x, scaling, "e4m3", True)
+        q = assert_matches_reference(x, scaling, "e4m3", True, scaling_t=scaling_t)
         if scaling == "tensorwise":
             assert q.scale_inv.item() == 1
 
@@ -126,8 +132,8 @@ def test_empty(scaling, device):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_cuda_gives_the_cpu_bits(scaling, dtype, seed):
+@SCALING_PAIRS
+def test_cuda_gives_the_cpu_bits(scaling, scaling_t, dtype, seed):
     """Many tiles, partial ones on both edges: rows of whole 16-byte chunks (the staged kernel;
     x^T's columns in 8-byte stores, and byte by byte where the rows are not a multiple of 8) and
     an unaligned view of 4099 columns (the element-wise one), with and without x^T."""
@@ -135,8 +141,9 @@ def test_cuda_gives_the_cpu_bits(scaling, dtype, seed):
     x = torch.randn(1000, 4104, generator=g).to(dtype)
     for x_cpu in (x, x[:997], x.reshape(-1)[1:1 + 999 * 4099].view(999, 4099)):
         for transpose in (False, True):
-            cpu = fp8_quantize(x_cpu, scaling, "e4m3", transpose=transpose)
-            cuda = fp8_quantize(x_cpu.cuda(), scaling, "e4m3", transpose=transpose)
+            cpu = fp8_quantize(x_cpu, scaling, "e4m3", transpose=transpose, scaling_t=scaling_t)
+            cuda = fp8_quantize(x_cpu.cuda(), scaling, "e4m3", transpose=transpose,
+                                scaling_t=scaling_t)
             for a, b in zip(cpu, cuda):
                 if a is None:
                     continue
@@ -144,13 +151,13 @@ def test_cuda_gives_the_cpu_bits(scaling, dtype, seed):
                                    (b.view(torch.uint8) if b.element_size() == 1 else b).cpu())
 
 
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_opcheck(scaling):
+@SCALING_PAIRS
+def test_opcheck(scaling, scaling_t):
     """The fake kernel's shapes, dtypes and strides are the real kernel's (torch.compile)."""
     x = torch.randn(130, 260)
     for transpose in (False, True):
         torch.library.opcheck(torch.ops.fusedlayers.fp8_quantize.default,
-                              (x, scaling, "e5m2", transpose, False))
+                              (x, scaling, "e5m2", transpose, False, scaling_t))
 
 
 def test_argument_errors():
@@ -164,6 +171,14 @@ def test_argument_errors():
         fp8_quantize(x, "1x64")
     with pytest.raises(ValueError, match="format must be 'e4m3' or 'e5m2', got 'e3m4'"):
         fp8_quantize(x, format="e3m4")
+    with pytest.raises(ValueError, match="scaling_t must be 'tensorwise', '1x128' or '128x128', "
+                                         "got '2x128'"):
+        fp8_quantize(x, transpose=True, scaling_t="2x128")
+    for scaling, scaling_t in [("128x128", "1x128"), ("tensorwise", "128x128"),
+                               ("1x128", "tensorwise")]:
+        with pytest.raises(ValueError, match=f"scaling_t must be scaling \\('{scaling}'\\), or "
+                                             f"'128x128' with scaling '1x128', got '{scaling_t}'"):
+            fp8_quantize(x, scaling, transpose=True, scaling_t=scaling_t)
     with pytest.raises(ValueError, match="at least 1 dimension"):
         fp8_quantize(torch.tensor(1.0))
 

@@ -25,6 +25,10 @@ ACTIVATIONS = {"silu": (torch.ops.fusedlayers.swiglu, torch.ops.fusedlayers.swig
 SM90 = [pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs an sm_90 GPU")]
+# (scaling, scaling_t) of the forward (the backward's x^T is scaled as its x)
+SCALINGS = pytest.mark.parametrize("scaling,scaling_t", [("1x128", None), ("tensorwise", None),
+                                                         ("1x128", "128x128")],
+                                   ids=["1x128", "tensorwise", "1x128,t128x128"])
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
 
@@ -51,17 +55,20 @@ def halves(g, rows, cols, dtype, device, stacked):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stacked", [False, True], ids=["separate", "halves"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("scaling", ["1x128", "tensorwise"])
+@SCALINGS
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_equals_gated_then_quantize(activation, scaling, dtype, stacked, device, seed):
-    """Rows off whole tiles (77, 130), several column tiles, with and without x^T, each format."""
+def test_equals_gated_then_quantize(activation, scaling, scaling_t, dtype, stacked, device, seed):
+    """Rows off whole tiles (77, 130), several column tiles, with and without x^T, each format;
+    the forward's x^T by 128x128 tiles (scaling_t) too."""
     g = torch.Generator().manual_seed(seed)
     forward, backward, extra = ACTIVATIONS[activation]
     for rows, cols, transpose, fmt in ((77, 384, True, "e4m3"), (130, 256, False, "e5m2")):
         gate, up = halves(g, rows, cols, dtype, device, stacked)
         dy = torch.randn(rows, cols, generator=g).to(dtype).to(device)
-        want = fp8_quantize(forward(gate, up, *extra), scaling, fmt, transpose)
-        assert_same(fp8_gated(gate, up, activation, scaling, fmt, transpose), want, "forward")
+        want = fp8_quantize(forward(gate, up, *extra), scaling, fmt, transpose,
+                            scaling_t=scaling_t)
+        assert_same(fp8_gated(gate, up, activation, scaling, fmt, transpose,
+                              scaling_t=scaling_t), want, "forward")
         dgate, dup = backward(dy, gate, up, *extra)
         want = fp8_quantize(torch.cat([dgate, dup], -1), scaling, fmt, transpose)
         assert_same(fp8_gated_backward(dy, gate, up, activation, scaling, fmt, transpose), want,
@@ -70,8 +77,8 @@ def test_equals_gated_then_quantize(activation, scaling, dtype, stacked, device,
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("scaling", ["1x128", "tensorwise"])
-def test_cuda_many_tiles_and_unaligned_views(scaling, seed):
+@SCALINGS
+def test_cuda_many_tiles_and_unaligned_views(scaling, scaling_t, seed):
     """CUDA against CUDA's own composition (the gated ops' CUDA math is not the CPU's to the
     bit; the quantization is: test_fp8.py): many tiles, the halves of one projection (16-byte
     loads) and an unaligned view (element loads), power-of-two scales."""
@@ -80,9 +87,10 @@ def test_cuda_many_tiles_and_unaligned_views(scaling, seed):
     dy = torch.randn(300, 1024, generator=g).bfloat16().cuda()
     for gate, up in (gu[:, :2048].chunk(2, -1), (gu[:, 1:1025], gu[:, 1025:2049])):
         for activation, (forward, backward, extra) in ACTIVATIONS.items():
-            want = fp8_quantize(forward(gate, up, *extra), scaling, "e4m3", True, True)
-            assert_same(fp8_gated(gate, up, activation, scaling, "e4m3", True, True), want,
-                        f"forward {activation}")
+            want = fp8_quantize(forward(gate, up, *extra), scaling, "e4m3", True, True,
+                                scaling_t)
+            assert_same(fp8_gated(gate, up, activation, scaling, "e4m3", True, True, scaling_t),
+                        want, f"forward {activation}")
             want = fp8_quantize(torch.cat(backward(dy, gate, up, *extra), -1), scaling, "e4m3",
                                 True)
             assert_same(fp8_gated_backward(dy, gate, up, activation, scaling, "e4m3", True), want,
@@ -99,6 +107,8 @@ def test_opcheck():
                               (gate, up, "silu", scaling, "e4m3", transpose, False))
         torch.library.opcheck(torch.ops.fusedlayers.fp8_gated_backward.default,
                               (dy, gate, up, "gelu", scaling, "e5m2", transpose, False))
+    torch.library.opcheck(torch.ops.fusedlayers.fp8_gated_forward.default,
+                          (gate, up, "silu", "1x128", "e4m3", True, False, "128x128"))
 
 
 def test_argument_errors():
@@ -109,6 +119,9 @@ def test_argument_errors():
         fp8_gated(gate[:, :96], gate[:, :96])
     with pytest.raises(ValueError, match="scaling must be '1x128' or 'tensorwise'"):
         fp8_gated(gate, gate, scaling="128x128")
+    with pytest.raises(ValueError, match="scaling_t must be scaling \\('tensorwise'\\), or "
+                                         "'128x128' with scaling '1x128', got '128x128'"):
+        fp8_gated(gate, gate, scaling="tensorwise", transpose=True, scaling_t="128x128")
     with pytest.raises(ValueError, match="activation must be 'silu', 'gelu' or 'gelu_tanh', "
                                          "got 'relu'"):
         fp8_gated(gate, gate, "relu")
@@ -148,7 +161,8 @@ def close(got, want, rel, what):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=SM90)])
 @pytest.mark.parametrize("stacked", [False, True], ids=["gate,up", "gate_up"])
 @pytest.mark.parametrize("recipe", [Fp8Recipe(), Fp8Recipe("tensorwise"),
-                                    Fp8Recipe("tensorwise", "hybrid")], ids=str)
+                                    Fp8Recipe("tensorwise", "hybrid"),
+                                    Fp8Recipe(wgrad_x_scaling="128x128")], ids=str)
 def test_mlp_against_float64_and_the_unfused_layers(recipe, stacked, device, seed):
     """y, dx and every dW: within FP8's rounding of the float64 MLP (E4M3's relative step
     2^-4 through two layers; E5M2 gradients 2^-3), no further from it than the same MLP made of

@@ -18,7 +18,8 @@ linear_module = importlib.import_module("fusedlayers.torch.fp8_linear")
 
 RECIPES = {"blockwise": Fp8Recipe(), "tensorwise": Fp8Recipe("tensorwise"),
            "hybrid": Fp8Recipe("tensorwise", "hybrid"),
-           "blockwise-pow2": Fp8Recipe(power_of_2_scales=True)}
+           "blockwise-pow2": Fp8Recipe(power_of_2_scales=True),
+           "blockwise-wgrad-tiles": Fp8Recipe(wgrad_x_scaling="128x128")}
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs an sm_90 GPU")])]
@@ -54,13 +55,14 @@ def test_gemms_see_the_quantized_operands(recipe, device, seed):
     y.backward(dy)
     s_in, s_w, pow2 = r.input_scaling, r.weight_scaling, r.power_of_2_scales
     x2, dy2 = x.detach().reshape(-1, 256), dy.reshape(-1, 176)
-    qx = fp8_quantize(x2, s_in, "e4m3", True, pow2)
+    qx = fp8_quantize(x2, s_in, "e4m3", True, pow2, r.input_t_scaling)
     qw = fp8_quantize(w.detach(), s_w, "e4m3", True, pow2)
     qdy = fp8_quantize(dy2, s_in, r.grad_format, True, pow2)
     want_y = deq(qx.data, qx.scale_inv, s_in) @ deq(qw.data, qw.scale_inv, s_w).T + \
         b.detach().double().cpu()
     want_dx = deq(qdy.data, qdy.scale_inv, s_in) @ deq(qw.data_t, qw.scale_inv_t, s_w).T
-    want_dw = deq(qdy.data_t, qdy.scale_inv_t, s_in) @ deq(qx.data_t, qx.scale_inv_t, s_in).T
+    want_dw = deq(qdy.data_t, qdy.scale_inv_t, s_in) @ \
+        deq(qx.data_t, qx.scale_inv_t, r.input_t_scaling).T
     tol = 1e-3 if device == "cuda" else 1e-5  # the tensor cores' FP8 accumulation; float32 sums
     close(y.reshape(-1, 176), want_y, tol, "y")
     close(x.grad.reshape(-1, 256), want_dx, tol, "dx")
@@ -169,6 +171,11 @@ def test_argument_errors():
         Fp8Recipe(fast_accum=True)
     with pytest.raises(ValueError, match="gemms must be among"):
         Fp8Recipe(gemms=("bprop",))
+    with pytest.raises(ValueError, match="wgrad_x_scaling must be '1x128' or '128x128', got "
+                                         "'1x64'"):
+        Fp8Recipe(wgrad_x_scaling="1x64")
+    with pytest.raises(ValueError, match="wgrad_x_scaling '128x128' needs scaling 'blockwise'"):
+        Fp8Recipe("tensorwise", wgrad_x_scaling="128x128")
 
 
 def test_fuse_swaps_linears_but_head_router_and_odd_sizes(seed):

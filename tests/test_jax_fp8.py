@@ -28,6 +28,7 @@ RECIPES = {"blockwise": Fp8Recipe(), "tensorwise": Fp8Recipe("tensorwise"),
            "fprop-only": Fp8Recipe(gemms=("fprop",)), "no-fprop": Fp8Recipe(gemms=("dgrad",
                                                                                   "wgrad")),
            "blockwise-kept": Fp8Recipe(recompute_fp8_weights=False),
+           "blockwise-wgrad-tiles": Fp8Recipe(wgrad_x_scaling="128x128"),
            "no-fprop-kept": Fp8Recipe(gemms=("dgrad", "wgrad"), recompute_fp8_weights=False)}
 TORCH = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16, jnp.float16: torch.float16}
 CPU = jax.devices("cpu")[0]
@@ -69,15 +70,17 @@ def values(rng, shape, dtype, octaves=(-6, 6)):
 @pytest.mark.parametrize("transpose", [False, True], ids=["rows", "cast-transpose"])
 @pytest.mark.parametrize("format", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_quantize_gives_torchs_bits(scaling, dtype, format, transpose, rng):
+@pytest.mark.parametrize("scaling,scaling_t", [(s, None) for s in SCALINGS] +
+                         [("1x128", "128x128")], ids=SCALINGS + ["1x128,t128x128"])
+def test_quantize_gives_torchs_bits(scaling, scaling_t, dtype, format, transpose, rng):
     power_of_2 = transpose and format == "e4m3"  # power-of-two scales in a quarter of the cases
     x = values(rng, (3, 67, 300), dtype)
     x[0, 5, 7] = 0.0
     x[1, 2, :] = 0.0  # an all-zero row: its 1x128 blocks take scale 1
-    qj = flj.fp8_quantize(on_cpu(x).astype(dtype), scaling, format, transpose, power_of_2)
+    qj = flj.fp8_quantize(on_cpu(x).astype(dtype), scaling, format, transpose, power_of_2,
+                          scaling_t)
     qt = flt.fp8_quantize(torch.from_numpy(x).to(TORCH[dtype]), scaling, format, transpose,
-                          power_of_2)
+                          power_of_2, scaling_t)
     same_quantization(qj, qt)
     # and against float64 directly: the values as the reference rounds them, the scales exact
     want, want_scale, _, _ = quantize_reference(torch.from_numpy(x), scaling, format, False,
@@ -186,6 +189,8 @@ def test_argument_errors():
         flj.fp8_quantize(x, "2x128")
     with pytest.raises(ValueError, match="format must be 'e4m3' or 'e5m2'"):
         flj.fp8_quantize(x, "1x128", "e3m4")
+    with pytest.raises(ValueError, match="scaling_t must be scaling \\('tensorwise'\\)"):
+        flj.fp8_quantize(x, "tensorwise", transpose=True, scaling_t="128x128")
     with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16, got int32"):
         flj.fp8_quantize(jnp.ones((4, 4), jnp.int32))
     q = flj.fp8_quantize(x, "1x128")

@@ -20,7 +20,8 @@ RECIPES = {"blockwise": Fp8Recipe(), "tensorwise": Fp8Recipe("tensorwise"),
            "hybrid": Fp8Recipe("tensorwise", "hybrid"),
            "blockwise-pow2": Fp8Recipe(power_of_2_scales=True),
            "fprop-only": Fp8Recipe(gemms=("fprop",)),
-           "blockwise-kept": Fp8Recipe(recompute_fp8_weights=False)}
+           "blockwise-kept": Fp8Recipe(recompute_fp8_weights=False),
+           "blockwise-wgrad-tiles": Fp8Recipe(wgrad_x_scaling="128x128")}
 TORCH = {tf.float32: torch.float32, tf.bfloat16: torch.bfloat16, tf.float16: torch.float16}
 
 
@@ -43,14 +44,16 @@ def values(rng, shape, octaves=(-6, 6)):
 @pytest.mark.parametrize("transpose", [False, True], ids=["rows", "cast-transpose"])
 @pytest.mark.parametrize("format", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16, tf.float16], ids=str)
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_quantize_gives_torchs_bits(scaling, dtype, format, transpose, rng):
+@pytest.mark.parametrize("scaling,scaling_t", [(s, None) for s in SCALINGS] +
+                         [("1x128", "128x128")], ids=SCALINGS + ["1x128,t128x128"])
+def test_quantize_gives_torchs_bits(scaling, scaling_t, dtype, format, transpose, rng):
     x = values(rng, (3, 67, 300))
     x[1, 2, :] = 0.0
     x[2, 5, 9], x[0, 1, 1] = np.nan, 1e-30
-    q = fltf.fp8_quantize(tf.cast(x, dtype), scaling, format, transpose, scaling == "1x128")
+    q = fltf.fp8_quantize(tf.cast(x, dtype), scaling, format, transpose, scaling == "1x128",
+                          scaling_t)
     want = flt.fp8_quantize(torch.from_numpy(x).to(TORCH[dtype]), scaling, format, transpose,
-                            scaling == "1x128")
+                            scaling == "1x128", scaling_t)
     assert np.array_equal(bits(q.data), bits(want.data))
     assert np.array_equal(q.scale_inv.numpy(), want.scale_inv.numpy(), equal_nan=True)
     if transpose:
@@ -117,6 +120,13 @@ def test_argument_errors():
         fltf.fp8_quantize(x, "2x128")
     with pytest.raises(invalid, match="format must be 'e4m3' or 'e5m2'"):
         fltf.fp8_quantize(x, "1x128", "e3m4")
+    with pytest.raises(invalid, match="scaling_t must be scaling \\('128x128'\\)"):
+        fltf.fp8_quantize(x, "128x128", transpose=True, scaling_t="1x128")
+    unknown_rows = tf.function(lambda x: fltf.fp8_quantize(x, "1x128", "e4m3", True, False,
+                                                           "128x128").data_t,
+                               input_signature=[tf.TensorSpec([None, 64], tf.float32)])
+    with pytest.raises(invalid, match="x\\^T by 128x128 tiles needs x's leading sizes known"):
+        unknown_rows(x)
     with pytest.raises(invalid, match="x must be float32, float16 or bfloat16, got float64"):
         fltf.fp8_quantize(tf.ones((4, 4), tf.float64))
     q = fltf.fp8_quantize(x, "1x128")

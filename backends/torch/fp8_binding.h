@@ -2,6 +2,7 @@
 // shared by the bindings of the ops that write FP8.
 #pragma once
 
+#include <optional>
 #include <tuple>
 
 #include "backends/torch/torch_binding.h"
@@ -40,7 +41,8 @@ inline Fp8Tensors fp8_outputs(Fp8Target& t, at::IntArrayRef shape, int64_t rows,
   at::Tensor q_t, scale_inv_t;
   if (transpose) {
     q_t = at::empty({cols, rows}, like.options().dtype(fp8));
-    scale_inv_t = scale_buffer(fp8_scale_sizes(t.scaling, rows, cols, true), t.scaling, f32);
+    scale_inv_t =
+        scale_buffer(fp8_scale_sizes(t.scaling_t, rows, cols, true), t.scaling_t, f32);
     t.q_t = static_cast<uint8_t*>(q_t.data_ptr());
     t.scale_inv_t = scale_inv_t.data_ptr<float>();
   }
@@ -53,12 +55,15 @@ inline Fp8Tensors fp8_outputs(Fp8Target& t, at::IntArrayRef shape, int64_t rows,
   return {q, scale_inv, q_t, scale_inv_t};
 }
 
-// format and scaling parsed into t (errors naming op).
+// format, scaling and scaling_t (None: scaling) parsed into t (errors naming op).
 inline void parse_fp8_target(Fp8Target& t, const char* op, c10::string_view scaling,
-                             c10::string_view format, bool power_of_2_scales) {
+                             c10::string_view format, bool power_of_2_scales,
+                             std::optional<c10::string_view> scaling_t = std::nullopt) {
   call_csrc([&] {
     t.format = parse_fp8_format(op, std::string(format));
     t.scaling = parse_fp8_scaling(op, std::string(scaling));
+    t.scaling_t =
+        scaling_t ? parse_fp8_scaling(op, std::string(*scaling_t), "scaling_t") : t.scaling;
   });
   t.power_of_2_scales = power_of_2_scales;
 }

@@ -11,7 +11,8 @@ namespace {
 
 Fp8Tensors forward_kernel(const at::Tensor& gate, const at::Tensor& up,
                           c10::string_view activation, c10::string_view scaling,
-                          c10::string_view format, bool transpose, bool power_of_2_scales) {
+                          c10::string_view format, bool transpose, bool power_of_2_scales,
+                          std::optional<c10::string_view> scaling_t) {
   const char* op = "fp8_gated_forward";
   check_gated_args(op, gate, up);
   at::Tensor g, u;
@@ -19,7 +20,7 @@ Fp8Tensors forward_kernel(const at::Tensor& gate, const at::Tensor& up,
   a.gate = gated_input(gate, g);
   a.up = gated_input(up, u);
   a.activation = call_csrc([&] { return parse_gated_activation(op, std::string(activation)); });
-  parse_fp8_target(a.out, op, scaling, format, power_of_2_scales);
+  parse_fp8_target(a.out, op, scaling, format, power_of_2_scales, scaling_t);
   const RowsCols rc = call_csrc([&] { return fp8_gated_forward_check(op, a); });
   at::Tensor workspace;
   Fp8Tensors out = fp8_outputs(a.out, gate.sizes(), rc.rows, rc.cols, transpose, gate, workspace);
@@ -56,10 +57,11 @@ Fp8Tensors backward_kernel(const at::Tensor& dy_in, const at::Tensor& gate, cons
 
 TORCH_LIBRARY_FRAGMENT(fusedlayers, m) {
   // The FP8 values (and scales) of act(gate) * up, and of [dgate | dup] along the last dim;
-  // layouts as fp8_quantize's. q_t and scale_inv_t are undefined without transpose.
+  // layouts as fp8_quantize's. q_t and scale_inv_t are undefined without transpose;
+  // scaling_t None: scaling.
   m.def("fp8_gated_forward(Tensor gate, Tensor up, str activation, str scaling='1x128', "
-        "str format='e4m3', bool transpose=False, bool power_of_2_scales=False) -> (Tensor q, "
-        "Tensor scale_inv, Tensor q_t, Tensor scale_inv_t)");
+        "str format='e4m3', bool transpose=False, bool power_of_2_scales=False, "
+        "str? scaling_t=None) -> (Tensor q, Tensor scale_inv, Tensor q_t, Tensor scale_inv_t)");
   m.def("fp8_gated_backward(Tensor dy, Tensor gate, Tensor up, str activation, "
         "str scaling='1x128', str format='e4m3', bool transpose=False, "
         "bool power_of_2_scales=False) -> (Tensor q, Tensor scale_inv, Tensor q_t, "

@@ -2,7 +2,8 @@
 // the scaling rule. Results in csrc's storage layouts (fusedlayers/jax/fp8.py presents them as
 // torch's binding does): q (x's shape), scale_inv ([blocks, rows] for 1x128, [row tiles, padded
 // column tiles] for 128x128, one value for tensorwise), q_t and scale_inv_t (empty without
-// transpose), and `amax`, one float32 of workspace for tensorwise scaling (else empty).
+// transpose; scale_inv_t in scaling_t's storage), and `amax`, one float32 of workspace for
+// tensorwise scaling (else empty).
 #include "backends/xla/ffi_binding.h"
 #include "fp8/fp8.h"
 
@@ -15,13 +16,14 @@ ffi::DataType element_type(Fp8Format f) {
 
 ffi::Error quantize(Device& device, AnyBuffer x, Out q, Out scale_inv, Out q_t, Out scale_inv_t,
                     Out amax, std::string_view scaling, std::string_view format, bool transpose,
-                    bool power_of_2_scales) {
+                    bool power_of_2_scales, std::string_view scaling_t) {
   return call_csrc([&] {
     const char* op = "fp8_quantize";
     Fp8Quantize a;
     a.x = ref(x);
     a.format = parse_fp8_format(op, std::string(format));
     a.scaling = parse_fp8_scaling(op, std::string(scaling));
+    a.scaling_t = parse_fp8_scaling(op, std::string(scaling_t), "scaling_t");
     a.power_of_2_scales = power_of_2_scales;
     if (q->element_type() != element_type(a.format) ||
         (transpose && q_t->element_type() != element_type(a.format)))
@@ -43,7 +45,7 @@ const auto kSig = [](auto b) {
       .template Ret<AnyBuffer>().template Ret<AnyBuffer>().template Ret<AnyBuffer>()
       .template Ret<AnyBuffer>().template Attr<std::string_view>("scaling")
       .template Attr<std::string_view>("format").template Attr<bool>("transpose")
-      .template Attr<bool>("power_of_2_scales");
+      .template Attr<bool>("power_of_2_scales").template Attr<std::string_view>("scaling_t");
 };
 
 }  // namespace
@@ -55,7 +57,7 @@ FUSEDLAYERS_XLA_HANDLERS(fp8_quantize, ::fusedlayers::xla_binding::quantize,
 // The op's argument checks for a trace (ffi_binding.h, TracedTensor).
 FUSEDLAYERS_XLA_EXPORT int fusedlayers_xla_fp8_quantize_check(
     const fusedlayers::xla_binding::TracedTensor* x, const char* scaling, const char* format,
-    char* msg, size_t msg_size) {
+    const char* scaling_t, char* msg, size_t msg_size) {
   using namespace fusedlayers;
   using namespace fusedlayers::xla_binding;
   return check_for_trace(
@@ -64,6 +66,7 @@ FUSEDLAYERS_XLA_EXPORT int fusedlayers_xla_fp8_quantize_check(
         a.x = ref(x);
         a.format = parse_fp8_format("fp8_quantize", format);
         a.scaling = parse_fp8_scaling("fp8_quantize", scaling);
+        a.scaling_t = parse_fp8_scaling("fp8_quantize", scaling_t, "scaling_t");
         fp8_quantize_check(a);
       },
       msg, msg_size);

@@ -23,10 +23,13 @@
 //   128x128:    scale_inv [ceil(rows/128) x ceil(cols/128)], row-major with each row padded to a
 //               multiple of 4 floats (never read): cuBLASLt's layout for 128x128 scales;
 //   with transpose, also q_t (cols x rows: x^T quantized, what the weight gradient's GEMM
-//   contracts over the rows) and scale_inv_t: tensorwise the same scale; 1x128 blocks of x^T's
-//   rows, [ceil(rows/128) x cols]; 128x128 the tiles' scales transposed,
-//   [ceil(cols/128) x ceil(rows/128)], padded likewise. Partial blocks at the edges scale what
-//   they hold.
+//   contracts over the rows) and scale_inv_t, scaled by scaling_t: tensorwise the same scale;
+//   1x128 blocks of x^T's rows, [ceil(rows/128) x cols]; 128x128 the tiles' scales transposed,
+//   [ceil(cols/128) x ceil(rows/128)], padded likewise. scaling_t is scaling, or 128x128 with
+//   1x128 scaling: q by 1x128 blocks of x's rows (a layer's fprop operand) and q_t by the 128x128
+//   tiles (its weight gradient's x operand, which cuBLASLt's 1x128 x 128x128 kernel reads, as
+//   Transformer Engine's 2D block scaling of x), each the bits that scaling alone gives. Partial
+//   blocks at the edges scale what they hold.
 #pragma once
 
 #include <cfloat>
@@ -51,7 +54,9 @@ constexpr int64_t kFp8Block = 128;
 
 // The `format` and `scaling` arguments as every binding names them; an Error naming op otherwise.
 Fp8Format parse_fp8_format(const char* op, const std::string& format);
-Fp8Scaling parse_fp8_scaling(const char* op, const std::string& scaling);
+Fp8Scaling parse_fp8_scaling(const char* op, const std::string& scaling,
+                             const char* arg = "scaling");
+const char* fp8_scaling_name(Fp8Scaling scaling);  // the name parse_fp8_scaling reads
 
 namespace fp8 {
 
@@ -161,13 +166,17 @@ FUSEDLAYERS_HOST_DEVICE float decode(uint8_t q, Fp8Format f) {
 struct Fp8Target {
   Fp8Format format = Fp8Format::kE4M3;
   Fp8Scaling scaling = Fp8Scaling::kBlock1x128;
+  Fp8Scaling scaling_t = Fp8Scaling::kBlock1x128;  // q_t's (layouts above)
   bool power_of_2_scales = false;
   uint8_t* q = nullptr;            // rows x cols
   float* scale_inv = nullptr;      // fp8_scale_sizes(..., false)
   uint8_t* q_t = nullptr;          // cols x rows, written when not null (null when empty)
-  float* scale_inv_t = nullptr;    // fp8_scale_sizes(..., true), written when not null
+  float* scale_inv_t = nullptr;    // fp8_scale_sizes(scaling_t, ..., true), written when not null
   float* amax = nullptr;           // tensorwise: 1 float of workspace (the tensor's amax after)
 };
+
+// Checks t's scaling_t against its scaling (the layouts above); an Error of kind kValue naming op.
+void fp8_target_check(const char* op, const Fp8Target& t);
 
 // The op's contract, for every binding: x is rows x cols, contiguous, float32, float16 or
 // bfloat16. Errors: Error of kind kValue.

@@ -13,7 +13,9 @@
 //
 // The contract, for every binding: gate and up as gated.h's (rows x cols, rows of each
 // `row_stride` apart), float16 or bfloat16 (the activations FP8 training runs in); scaling 1x128
-// or tensorwise (128x128 tiles are for weights); cols a multiple of 128 (so that a block of the
+// or tensorwise (128x128 tiles are for weights), scaling_t as fp8.h allows in the forward (its
+// q_t is the down projection's weight-gradient x operand) and scaling in the backward (its q_t is
+// a weight gradient's dy operand); cols a multiple of 128 (so that a block of the
 // backward's concatenation holds dgate or dup alone, as the CUDA kernel computes them side by
 // side); dy contiguous, gate's shape and dtype; out's buffers sized by fp8_scale_sizes for rows x
 // cols (forward) or rows x 2 cols (backward). Errors: Error of kind kType for dtypes, kValue

@@ -69,8 +69,9 @@ struct TileWork {
 };
 
 // The values of act(gate) * up: the tile (stripe, cb) staged (gate's and up's tiles in shared
-// memory), computed in place of gate's and quantized from there.
-template <typename T, GatedActivation kAct, Fp8Scaling kScaling, bool kTranspose>
+// memory), computed in place of gate's and quantized from there (x^T by kScalingT).
+template <typename T, GatedActivation kAct, Fp8Scaling kScaling, bool kTranspose,
+          Fp8Scaling kScalingT>
 __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks of 64 KB fill the SM's shared memory
     forward_kernel(const T* __restrict__ gate, int64_t gs, const T* __restrict__ up, int64_t us,
                    int64_t rows, int64_t cols, bool vec, Fp8Format f, bool pow2,
@@ -101,8 +102,9 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks of 64 KB fill the SM
   __syncthreads();
   const float tensor_s =
       kScaling == Fp8Scaling::kTensorwise ? fp8::multiplier(*tensor_amax, f, pow2) : 0.f;
-  quantize_tile<T, kScaling, kTranspose>(g_tile, stripe, cb, rows, cols, f, pow2, tensor_s, q,
-                                         scale_inv, q_t, scale_inv_t, warp_max);
+  quantize_tile<T, kScaling, kTranspose, kScalingT>(g_tile, stripe, cb, rows, cols, f, pow2,
+                                                    tensor_s, q, scale_inv, q_t, scale_inv_t,
+                                                    warp_max);
 }
 
 // The values of [dgate | dup] (rows x 2 cols): the tile (stripe, cb) of dgate and (stripe,
@@ -266,16 +268,27 @@ void fp8_gated_forward_cuda(const Fp8GatedForward& a, int64_t gs, int64_t us, Ro
     using T = decltype(t);
     constexpr GatedActivation kAct = decltype(act)::value;
     constexpr Fp8Scaling kScaling = decltype(scaling)::value;
+    constexpr bool kTranspose = decltype(tr)::value;
     const T* gate = static_cast<const T*>(a.gate.t.data);
     const T* up = static_cast<const T*>(a.up.t.data);
     if (kScaling == Fp8Scaling::kTensorwise)
       tensor_amax<T, kAct>(op, o, nullptr, gate, gs, up, us, rc, vec, stream);
     if (rc.rows * rc.cols == 0) return;
-    constexpr auto kernel = forward_kernel<T, kAct, kScaling, decltype(tr)::value>;
-    const size_t smem = 2 * size_t(StagedTile<T>::kBytes);
-    kernel<<<tile_blocks<kernel>(op, rc, smem), kThreads, smem, stream>>>(
-        gate, gs, up, us, rc.rows, rc.cols, vec, o.format, o.power_of_2_scales, o.amax, o.q,
-        o.scale_inv, o.q_t, o.scale_inv_t);
+    const auto run = [&](auto scaling_t) {
+      constexpr auto kernel =
+          forward_kernel<T, kAct, kScaling, kTranspose, decltype(scaling_t)::value>;
+      const size_t smem = 2 * size_t(StagedTile<T>::kBytes);
+      kernel<<<tile_blocks<kernel>(op, rc, smem), kThreads, smem, stream>>>(
+          gate, gs, up, us, rc.rows, rc.cols, vec, o.format, o.power_of_2_scales, o.amax, o.q,
+          o.scale_inv, o.q_t, o.scale_inv_t);
+    };
+    using S = Fp8Scaling;
+    if constexpr (kTranspose && kScaling == S::kBlock1x128) {
+      if (o.scaling_t == S::kBlock128x128) run(std::integral_constant<S, S::kBlock128x128>{});
+      else run(scaling);
+    } else {
+      run(scaling);
+    }
     cuda::check_launch(op);
   });
 }

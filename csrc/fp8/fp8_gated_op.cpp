@@ -4,12 +4,13 @@
 namespace fusedlayers {
 namespace {
 
-void check_fp8(const char* op, DType dtype, Fp8Scaling scaling, RowsCols rc) {
+void check_fp8(const char* op, DType dtype, const Fp8Target& out, RowsCols rc) {
   if (dtype != DType::kFloat16 && dtype != DType::kBFloat16)
     arg_error(op, std::string("gate must be float16 or bfloat16, got ") + dtype_name(dtype),
               Error::Kind::kType);
-  if (scaling == Fp8Scaling::kBlock128x128)
+  if (out.scaling == Fp8Scaling::kBlock128x128)
     arg_error(op, "scaling must be '1x128' or 'tensorwise' (128x128 tiles are for weights)");
+  fp8_target_check(op, out);
   if (rc.cols % kFp8Block != 0)
     arg_error(op, "gate's last dimension must be a multiple of " + std::to_string(kFp8Block) +
                       ", got " + std::to_string(rc.cols));
@@ -33,7 +34,7 @@ RowsCols fp8_gated_forward_check(const char* op, const Fp8GatedForward& a) {
   g.gate = a.gate;
   g.up = a.up;
   const RowsCols rc = gated_forward_check(op, g);
-  check_fp8(op, a.gate.t.dtype, a.out.scaling, rc);
+  check_fp8(op, a.gate.t.dtype, a.out, rc);
   return rc;
 }
 
@@ -43,7 +44,10 @@ RowsCols fp8_gated_backward_check(const char* op, const Fp8GatedBackward& a) {
   g.gate = a.gate;
   g.up = a.up;
   const RowsCols rc = gated_backward_check(op, g);
-  check_fp8(op, a.gate.t.dtype, a.out.scaling, rc);
+  check_fp8(op, a.gate.t.dtype, a.out, rc);
+  if (a.out.scaling_t != a.out.scaling)
+    arg_error(op, "scaling_t must be scaling: the gradient's x^T is the weight gradient's "
+                  "dy operand, blocked as dy");
   return rc;
 }
 

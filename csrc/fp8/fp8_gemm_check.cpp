@@ -6,15 +6,6 @@
 namespace fusedlayers {
 namespace {
 
-const char* scaling_name(Fp8Scaling s) {
-  switch (s) {
-    case Fp8Scaling::kTensorwise: return "tensorwise";
-    case Fp8Scaling::kBlock1x128: return "1x128";
-    case Fp8Scaling::kBlock128x128: return "128x128";
-  }
-  return "?";
-}
-
 std::string shape(int64_t d0, int64_t d1) {
   return "[" + std::to_string(d0) + ", " + std::to_string(d1) + "]";
 }
@@ -26,7 +17,7 @@ void check_scales(const char* name, const Fp8Operand& o) {
   const int64_t want_cols = o.scaling == Fp8Scaling::kBlock1x128 ? s.dim0 : s.dim1;
   if (o.scale_rows != want_rows || o.scale_cols != want_cols)
     arg_error("fp8_gemm", std::string(name) + "_scale_inv of " + name + " " +
-                              shape(o.rows, o.cols) + " scaled " + scaling_name(o.scaling) +
+                              shape(o.rows, o.cols) + " scaled " + fp8_scaling_name(o.scaling) +
                               " must have shape " +
                               (o.scaling == Fp8Scaling::kTensorwise
                                    ? std::string("[] (one value)")
@@ -65,7 +56,7 @@ void fp8_gemm_check(const Fp8Gemm& g) {
   if (!tensorwise && !blockwise)
     arg_error(op, std::string("a's and b's scalings must be tensorwise and tensorwise, 1x128 and "
                               "128x128, or 1x128 and 1x128, got ") +
-                      scaling_name(sa) + " and " + scaling_name(sb));
+                      fp8_scaling_name(sa) + " and " + fp8_scaling_name(sb));
   check_scales("a", g.a);
   check_scales("b", g.b);
   if (g.a.format == Fp8Format::kE5M2 && g.b.format == Fp8Format::kE5M2)

@@ -1,5 +1,5 @@
 // CPU FP8 quantization: 128x128 tiles in parallel, each staged in float32, then each 1x128
-// block's or the tile's amax and its values (x's rows and x^T's), in loops the compiler
+// block's or the tile's amax and its values (x's rows and x^T's, each by its scaling), in loops the compiler
 // vectorizes (every target clone). A value is fp8.h's rule computed from the exact product: x * s
 // in double is exact (24 + 24 significant bits), and rounding it once to the format's grid (to
 // nearest even, saturating) is what fp8::quantize does with the float product and its residual,
@@ -92,7 +92,10 @@ void quantize_stripes(const Fp8Quantize& a, const T* x, int64_t rows, int64_t co
   const int64_t stripes = (rows + kFp8Block - 1) / kFp8Block;
   const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
   const int64_t ld = fp8_scale_sizes(a.scaling, rows, cols, false).ld;
-  const int64_t ld_t = fp8_scale_sizes(a.scaling, rows, cols, true).ld;
+  const int64_t ld_t = fp8_scale_sizes(a.scaling_t, rows, cols, true).ld;
+  // the tile's amax scales x's rows (128x128) or x^T's (scaling_t 128x128)
+  const bool tile_amax = a.scaling == Fp8Scaling::kBlock128x128 ||
+                         (a.q_t && a.scaling_t == Fp8Scaling::kBlock128x128);
   const float tensor_s = a.scaling == Fp8Scaling::kTensorwise ? fp8::multiplier(*a.amax, F, pow2)
                                                               : 0.f;
   parallel_for(stripes * col_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -106,11 +109,11 @@ void quantize_stripes(const Fp8Quantize& a, const T* x, int64_t rows, int64_t co
       const int64_t c0 = cb * kB, nc = std::min(cols - c0, kB);
       for (int64_t i = 0; i < nr; ++i) cpu::load(x + (r0 + i) * cols + c0, &tile[i * kB], nc);
       float tile_s = tensor_s;
-      if (a.scaling == Fp8Scaling::kBlock128x128) {
+      if (tile_amax) {
         uint32_t m = 0;
         for (int64_t i = 0; i < nr; ++i) m = std::max(m, amax_bits(&tile[i * kB], nc));
         tile_s = fp8::multiplier(cpu::float_of(m), F, pow2);
-        a.scale_inv[stripe * ld + cb] = 1.f / tile_s;
+        if (a.scaling == Fp8Scaling::kBlock128x128) a.scale_inv[stripe * ld + cb] = 1.f / tile_s;
         if (a.q_t) a.scale_inv_t[cb * ld_t + stripe] = 1.f / tile_s;
       }
       for (int64_t i = 0; i < nr; ++i) {
@@ -125,7 +128,7 @@ void quantize_stripes(const Fp8Quantize& a, const T* x, int64_t rows, int64_t co
       // x^T's rows: the tile's columns over its rows, quantized a row of x at a time into
       // codes, then written transposed
       std::fill(col_s.begin(), col_s.end(), tile_s);
-      if (a.scaling == Fp8Scaling::kBlock1x128) {
+      if (a.scaling_t == Fp8Scaling::kBlock1x128) {
         std::fill(col_max.begin(), col_max.end(), 0u);
         for (int64_t i = 0; i < nr; ++i) column_amax_bits(&tile[i * kB], col_max.data(), nc);
         for (int64_t j = 0; j < nc; ++j) {

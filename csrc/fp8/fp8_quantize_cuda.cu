@@ -23,7 +23,7 @@ __host__ __device__ constexpr int tile_stride() {  // in values: rows of an odd 
 
 // Any x: one block per 128x128 tile, element loads (staged_tile_kernel takes rows of 16-byte
 // chunks).
-template <typename T, Fp8Scaling kScaling, bool kTranspose>
+template <typename T, Fp8Scaling kScaling, bool kTranspose, Fp8Scaling kScalingT>
 __global__ void __launch_bounds__(kThreads)
     quantize_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
                          bool pow2, const float* __restrict__ tensor_amax,
@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(kThreads)
   float tile_s = 0.f;
   if constexpr (kScaling == Fp8Scaling::kTensorwise) {
     tile_s = fp8::multiplier(*tensor_amax, f, pow2);
-  } else if constexpr (kScaling == Fp8Scaling::kBlock128x128) {
+  } else if constexpr (kScaling == Fp8Scaling::kBlock128x128 ||
+                       (kTranspose && kScalingT == Fp8Scaling::kBlock128x128)) {
     uint32_t amax = 0;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i)
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
     tile_s = fp8::multiplier(__uint_as_float(amax), f, pow2);
     if (threadIdx.x == 0) {  // rows of scales padded to 4 floats (fp8.h)
       const int64_t ld = (gridDim.x + 3) / 4 * 4, ld_t = (gridDim.y + 3) / 4 * 4;
-      scale_inv[stripe * ld + cb] = 1.f / tile_s;
+      if (kScaling == Fp8Scaling::kBlock128x128) scale_inv[stripe * ld + cb] = 1.f / tile_s;
       if (kTranspose) scale_inv_t[cb * ld_t + stripe] = 1.f / tile_s;
     }
   }
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) t[i] = to_acc(tile[(lane + 32 * i) * tile_stride<T>() + tc]);
       float s = tile_s;
-      if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
+      if constexpr (kScalingT == Fp8Scaling::kBlock1x128) {
         uint32_t amax = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) amax = max(amax, abs_bits(t[i]));  // rows past x: zeros
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
 // warp per row, a lane one chunk) and, with transpose, x^T's (fp8_tile.cuh). Four blocks an SM
 // (three for float32's 64 KB tiles) overlap each other's loads and quantization; a persistent
 // block double-buffering its tiles keeps fewer loads in flight and is slower.
-template <typename T, Fp8Scaling kScaling, bool kTranspose>
+template <typename T, Fp8Scaling kScaling, bool kTranspose, Fp8Scaling kScalingT>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 3)
     staged_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
                        bool pow2, const float* __restrict__ tensor_amax,
@@ -182,17 +183,18 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 3)
                              ? fp8::multiplier(*tensor_amax, f, pow2) : 0.f;
   cp_async_wait_all();
   __syncthreads();
-  quantize_tile<T, kScaling, kTranspose>(tile, stripe, cb, rows, cols, f, pow2, tensor_s, q,
-                                         scale_inv, q_t, scale_inv_t, warp_max);
+  quantize_tile<T, kScaling, kTranspose, kScalingT>(tile, stripe, cb, rows, cols, f, pow2,
+                                                    tensor_s, q, scale_inv, q_t, scale_inv_t,
+                                                    warp_max);
 }
 
-template <typename T, Fp8Scaling kScaling, bool kTranspose>
+template <typename T, Fp8Scaling kScaling, bool kTranspose, Fp8Scaling kScalingT = kScaling>
 void launch_tiles(const Fp8Quantize& a, const T* x, int64_t rows, int64_t cols,
                   cudaStream_t stream) {
   const int64_t col_blocks = (cols + kFp8Block - 1) / kFp8Block;
   const dim3 grid(unsigned(col_blocks), unsigned((rows + kFp8Block - 1) / kFp8Block));
   if (cols % StagedTile<T>::kPerChunk == 0 && cuda::aligned(x, 16) && cuda::aligned(a.q, 8)) {
-    constexpr auto kernel = staged_tile_kernel<T, kScaling, kTranspose>;
+    constexpr auto kernel = staged_tile_kernel<T, kScaling, kTranspose, kScalingT>;
     const size_t smem = StagedTile<T>::kBytes;
     if (smem > 48 * 1024 && cuda::resident_blocks<kernel>(kThreads, smem) == 0)
       fail("fp8_quantize: the device cannot give a block " + std::to_string(smem) +
@@ -200,7 +202,7 @@ void launch_tiles(const Fp8Quantize& a, const T* x, int64_t rows, int64_t cols,
     kernel<<<grid, kThreads, smem, stream>>>(x, rows, cols, a.format, a.power_of_2_scales,
                                              a.amax, a.q, a.scale_inv, a.q_t, a.scale_inv_t);
   } else {
-    constexpr auto kernel = quantize_tile_kernel<T, kScaling, kTranspose>;
+    constexpr auto kernel = quantize_tile_kernel<T, kScaling, kTranspose, kScalingT>;
     const size_t smem = kTranspose ? size_t(kFp8Block) * tile_stride<T>() * sizeof(T) : 0;
     if (smem > 48 * 1024 && cuda::resident_blocks<kernel>(kThreads, smem) == 0)
       fail("fp8_quantize: the device cannot give a block " + std::to_string(smem) +
@@ -214,8 +216,12 @@ void launch_tiles(const Fp8Quantize& a, const T* x, int64_t rows, int64_t cols,
 template <typename T, Fp8Scaling kScaling>
 void launch_tiles(const Fp8Quantize& a, const T* x, int64_t rows, int64_t cols,
                   cudaStream_t stream) {
-  a.q_t ? launch_tiles<T, kScaling, true>(a, x, rows, cols, stream)
-        : launch_tiles<T, kScaling, false>(a, x, rows, cols, stream);
+  if (!a.q_t) return launch_tiles<T, kScaling, false>(a, x, rows, cols, stream);
+  if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
+    if (a.scaling_t == Fp8Scaling::kBlock128x128)
+      return launch_tiles<T, kScaling, true, Fp8Scaling::kBlock128x128>(a, x, rows, cols, stream);
+  }
+  launch_tiles<T, kScaling, true>(a, x, rows, cols, stream);
 }
 
 }  // namespace

@@ -9,11 +9,21 @@ Fp8Format parse_fp8_format(const char* op, const std::string& format) {
   arg_error(op, "format must be 'e4m3' or 'e5m2', got '" + format + "'");
 }
 
-Fp8Scaling parse_fp8_scaling(const char* op, const std::string& scaling) {
+Fp8Scaling parse_fp8_scaling(const char* op, const std::string& scaling, const char* arg) {
   if (scaling == "tensorwise") return Fp8Scaling::kTensorwise;
   if (scaling == "1x128") return Fp8Scaling::kBlock1x128;
   if (scaling == "128x128") return Fp8Scaling::kBlock128x128;
-  arg_error(op, "scaling must be 'tensorwise', '1x128' or '128x128', got '" + scaling + "'");
+  arg_error(op, std::string(arg) + " must be 'tensorwise', '1x128' or '128x128', got '" +
+                    scaling + "'");
+}
+
+const char* fp8_scaling_name(Fp8Scaling scaling) {
+  switch (scaling) {
+    case Fp8Scaling::kTensorwise: return "tensorwise";
+    case Fp8Scaling::kBlock1x128: return "1x128";
+    case Fp8Scaling::kBlock128x128: return "128x128";
+  }
+  return "?";
 }
 
 Fp8ScaleSizes fp8_scale_sizes(Fp8Scaling scaling, int64_t rows, int64_t cols, bool transposed) {
@@ -27,8 +37,17 @@ Fp8ScaleSizes fp8_scale_sizes(Fp8Scaling scaling, int64_t rows, int64_t cols, bo
   return {0, 0, 0};
 }
 
+void fp8_target_check(const char* op, const Fp8Target& t) {
+  if (t.scaling_t != t.scaling &&
+      !(t.scaling == Fp8Scaling::kBlock1x128 && t.scaling_t == Fp8Scaling::kBlock128x128))
+    arg_error(op, std::string("scaling_t must be scaling ('") + fp8_scaling_name(t.scaling) +
+                      "'), or '128x128' with scaling '1x128', got '" +
+                      fp8_scaling_name(t.scaling_t) + "'");
+}
+
 RowsCols fp8_quantize_check(const Fp8Quantize& a) {
   const char* op = "fp8_quantize";
+  fp8_target_check(op, a);
   const Sizes& s = a.x.sizes;
   if (a.x.dtype == DType::kFloat64)
     arg_error(op, "x must be float32, float16 or bfloat16, got float64", Error::Kind::kType);

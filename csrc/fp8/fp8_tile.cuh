@@ -169,9 +169,9 @@ struct StagedTile {
 // rows: a lane rg (of 16) and half cc of a warp takes x's rows 8 rg .. 8 rg + 7 of a chunk of
 // columns and writes each column's 8 bytes at once; with 1x128 scaling the 16 lanes of a chunk
 // reduce its columns' amaxes together and each computes one column's scale. warp_max: kWarps
-// words of shared memory. Every thread of the block calls it (the 128x128 amax synchronizes
-// them).
-template <typename T, Fp8Scaling kScaling, bool kTranspose>
+// words of shared memory. kScalingT: x^T's scaling (fp8.h's scaling_t). Every thread of the
+// block calls it (the 128x128 amax synchronizes them).
+template <typename T, Fp8Scaling kScaling, bool kTranspose, Fp8Scaling kScalingT = kScaling>
 __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t stripe,
                                               int64_t cb, int64_t rows, int64_t cols,
                                               Fp8Format f, bool pow2, float tensor_s,
@@ -180,6 +180,11 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
                                               uint8_t* __restrict__ q_t,
                                               float* __restrict__ scale_inv_t,
                                               uint32_t* warp_max) {
+  static_assert(kScalingT == kScaling || (kScaling == Fp8Scaling::kBlock1x128 &&
+                                          kScalingT == Fp8Scaling::kBlock128x128));
+  // the tile's amax scales x's rows (128x128) or x^T's (kScalingT 128x128)
+  constexpr bool kTileAmax = kScaling == Fp8Scaling::kBlock128x128 ||
+                             (kTranspose && kScalingT == Fp8Scaling::kBlock128x128);
   using W = Words<T>;
   constexpr int kPer = StagedTile<T>::kPerChunk, kChunks = StagedTile<T>::kChunks;
   constexpr int kLaneChunks = kChunks / 8;  // 2 | 4
@@ -197,7 +202,7 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
 #pragma unroll
     for (int i = 0; i < kLaneChunks; ++i) v[p][i] = tile.words(warp * 16 + p * 4 + rho, j + 8 * i);
   float tile_s = tensor_s;
-  if constexpr (kScaling == Fp8Scaling::kBlock128x128) {
+  if constexpr (kTileAmax) {
     uint32_t acc = 0;
 #pragma unroll
     for (int p = 0; p < 4; ++p)
@@ -207,7 +212,8 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
     tile_s = fp8::multiplier(__uint_as_float(amax), f, pow2);
     if (threadIdx.x == 0) {  // rows of scales padded to 4 floats (fp8.h)
       const int64_t stripes = (rows + kFp8Block - 1) / kFp8Block;
-      scale_inv[stripe * ((col_blocks + 3) / 4 * 4) + cb] = 1.f / tile_s;
+      if (kScaling == Fp8Scaling::kBlock128x128)
+        scale_inv[stripe * ((col_blocks + 3) / 4 * 4) + cb] = 1.f / tile_s;
       if (kTranspose) scale_inv_t[cb * ((stripes + 3) / 4 * 4) + stripe] = 1.f / tile_s;
     }
   }
@@ -267,7 +273,7 @@ __device__ __forceinline__ void quantize_tile(const StagedTile<T>& tile, int64_t
       float s[kPer];
 #pragma unroll
       for (int k = 0; k < kPer; ++k) s[k] = tile_s;
-      if constexpr (kScaling == Fp8Scaling::kBlock1x128) {
+      if constexpr (kScalingT == Fp8Scaling::kBlock1x128) {
         uint32_t acc[4] = {0, 0, 0, 0};  // per word position: its columns' |x| maxes
 #pragma unroll
         for (int i = 0; i < 8; ++i) {

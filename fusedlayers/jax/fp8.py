@@ -38,7 +38,7 @@ def format_name(dtype) -> str:
 
 
 def fp8_quantize(x, scaling: str = "1x128", format: str = "e4m3", transpose: bool = False,
-                 power_of_2_scales: bool = False) -> Fp8Quantized:
+                 power_of_2_scales: bool = False, scaling_t: str | None = None) -> Fp8Quantized:
     """x quantized to FP8 with its scales, in one pass over x (two for tensorwise: amax, cast).
 
     x: [..., cols], float32/float16/bfloat16, viewed as rows x cols. scaling: "1x128" (one scale
@@ -46,43 +46,47 @@ def fp8_quantize(x, scaling: str = "1x128", format: str = "e4m3", transpose: boo
     its weights) or "tensorwise". format: "e4m3" (jnp.float8_e4m3fn, max 448) or "e5m2"
     (jnp.float8_e5m2, max 57344). transpose: also x^T (cols x rows) quantized with its own
     blocks along x's rows (what a weight gradient's GEMM reads), from the same read of x.
-    power_of_2_scales: scales rounded down to powers of two (exact dequantization).
+    power_of_2_scales: scales rounded down to powers of two (exact dequantization). scaling_t:
+    x^T's scaling, None (default) for `scaling`, or "128x128" with scaling "1x128" (x^T by the
+    tiles' scales, x by its 1x128 blocks).
 
     Returns Fp8Quantized: data [..., cols]; scale_inv float32 of shape [] (tensorwise),
     [rows, ceil(cols/128)] (1x128) or [ceil(rows/128), ceil(cols/128)] (128x128); data_t
-    [cols, rows] and scale_inv_t (x^T's, of the same forms) with transpose. The values and scales
+    [cols, rows] and scale_inv_t (x^T's, of the same forms for scaling_t) with transpose. The values and scales
     are fusedlayers.torch.fp8_quantize's, bit for bit: per block s = fmt_max / amax in float32 (1
     for an all-zero block), data = x * s rounded once to nearest even and saturated at fmt_max,
     scale_inv = 1 / s; a block holding NaN or Inf gets NaN values and a NaN scale
     (csrc/fp8/fp8.h; formats: Micikevicius et al. 2022, arXiv:2209.05433). Not differentiable.
     While tracing, raises TypeError for other dtypes and ValueError for an unknown scaling or
-    format or a 0-d x.
+    format, a scaling_t other than those, or a 0-d x.
     """
     x = jnp.asarray(x)
     if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
         raise TypeError(f"fusedlayers.fp8_quantize: x must be float32, float16 or bfloat16, got "
                         f"{x.dtype}")
     x, = _op.prepare("fp8_quantize", x=x)
-    _op.check("fp8_quantize", x, scaling, format)
+    scaling_t = scaling_t or scaling
+    _op.check("fp8_quantize", x, scaling, format, scaling_t)
     cols = x.shape[-1]
     rows = int(np.prod(x.shape[:-1], dtype=np.int64)) if cols else 0
     fp8 = FORMATS[format]
 
-    def storage(transposed):
+    def storage(scaling, transposed):
         dim0, _, ld = _csrc_check.fp8_scale_sizes(_op.lib, scaling, rows, cols, transposed)
         return () if scaling == "tensorwise" else (dim0, ld)
     results = (jax.ShapeDtypeStruct(x.shape, fp8),
-               jax.ShapeDtypeStruct(storage(False), jnp.float32),
+               jax.ShapeDtypeStruct(storage(scaling, False), jnp.float32),
                jax.ShapeDtypeStruct((cols, rows) if transpose else (0,), fp8),
-               jax.ShapeDtypeStruct(storage(True) if transpose else (0,), jnp.float32),
+               jax.ShapeDtypeStruct(storage(scaling_t, True) if transpose else (0,), jnp.float32),
                jax.ShapeDtypeStruct((1 if scaling == "tensorwise" else 0,), jnp.float32))
     q, s, q_t, s_t, _ = _op.plain_call("fp8_quantize", results, x, scaling=scaling,
                                        format=format, transpose=np.bool_(transpose),
-                                       power_of_2_scales=np.bool_(power_of_2_scales))
+                                       power_of_2_scales=np.bool_(power_of_2_scales),
+                                       scaling_t=scaling_t)
     if not transpose:
         return Fp8Quantized(q, scale_view(s, scaling, rows, cols), None, None)
     return Fp8Quantized(q, scale_view(s, scaling, rows, cols), q_t,
-                        scale_view(s_t, scaling, cols, rows))
+                        scale_view(s_t, scaling_t, cols, rows))
 
 
 def scale_view(storage, scaling: str, rows: int, cols: int):

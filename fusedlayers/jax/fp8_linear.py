@@ -103,7 +103,8 @@ def _fp8_fwd(x2, w, bias, recipe, in_out):
     out_dtype = x2.dtype
     keep_w = dgrad and not recipe.recompute_fp8_weights  # else the backward quantizes w again
     w_fprop, w_dgrad = _weight_operands(w, recipe, in_out, fprop, keep_w)
-    qx = fp8_quantize(x2, s_in, "e4m3", wgrad, pow2) if fprop or wgrad else None
+    qx = fp8_quantize(x2, s_in, "e4m3", wgrad, pow2, recipe.input_t_scaling) \
+        if fprop or wgrad else None
     if fprop:
         # FP8 GEMMs add a bias in their epilogue for half-precision outputs only
         in_epilogue = bias is not None and out_dtype != jnp.float32
@@ -135,8 +136,12 @@ def _fp8_bwd(recipe, in_out, saved, dy):
         dx = _dot(dy, saved_w, in_out, x_like.dtype)
     if wgrad:  # dW = dy^T x: dy^T [out, tokens] and x^T [in, tokens]; a kernel's is its transpose
         dy_t = Fp8Quantized(qdy.data_t, qdy.scale_inv_t, None, None)
-        a, b = (saved_x, dy_t) if in_out else (dy_t, saved_x)
-        dw = fp8_gemm(a, s_in, b, s_in, w_like.dtype)
+        s_x_t = recipe.input_t_scaling
+        if in_out and s_x_t == s_in:
+            dw = fp8_gemm(saved_x, s_in, dy_t, s_in, w_like.dtype)
+        else:  # 128x128 tiles are the GEMM's b alone: the kernel's gradient as dW^T
+            dw = fp8_gemm(dy_t, s_in, saved_x, s_x_t, w_like.dtype)
+            dw = dw.T if in_out else dw
     else:  # saved_x is x itself
         a, b = (saved_x, dy) if in_out else (dy, saved_x)
         dw = jax.lax.dot_general(a.astype(dy.dtype), b.astype(dy.dtype), (((0,), (0,)), ((), ())),

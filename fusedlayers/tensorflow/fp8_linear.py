@@ -81,6 +81,7 @@ def _fp8(recipe, in_out, with_bias=False):
     gemms = recipe.gemms
     fprop, dgrad, wgrad = ("fprop" in gemms), ("dgrad" in gemms), ("wgrad" in gemms)
     s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
+    s_x_t = recipe.input_t_scaling
 
     @tf.custom_gradient
     def linear(x2, w, *bias):
@@ -88,7 +89,7 @@ def _fp8(recipe, in_out, with_bias=False):
         out_dtype = x2.dtype
         keep_w = dgrad and not recipe.recompute_fp8_weights  # else grad quantizes w again
         w_fprop, w_dgrad = _weight_operands(w, recipe, in_out, fprop, keep_w)
-        qx = fp8_quantize(x2, s_in, "e4m3", wgrad, pow2) if fprop or wgrad else None
+        qx = fp8_quantize(x2, s_in, "e4m3", wgrad, pow2, s_x_t) if fprop or wgrad else None
         if fprop:
             in_epilogue = b is not None and out_dtype != tf.float32
             y = fp8_gemm(qx, s_in, w_fprop, s_w, out_dtype, b if in_epilogue else None,
@@ -110,8 +111,11 @@ def _fp8(recipe, in_out, with_bias=False):
                 dx = _dot(dy, w, in_out, x2.dtype)
             if wgrad:  # dW = dy^T x; a kernel's is its transpose
                 dy_t = Fp8Quantized(qdy.data_t, qdy.scale_inv_t, None, None)
-                a, bb = (saved_x, dy_t) if in_out else (dy_t, saved_x)
-                dw = fp8_gemm(a, s_in, bb, s_in, w.dtype)
+                if in_out and s_x_t == s_in:
+                    dw = fp8_gemm(saved_x, s_in, dy_t, s_in, w.dtype)
+                else:  # 128x128 tiles are the GEMM's b alone: the kernel's gradient as dW^T
+                    dw = fp8_gemm(dy_t, s_in, saved_x, s_x_t, w.dtype)
+                    dw = tf.transpose(dw) if in_out else dw
             else:
                 a, bb = (saved_x, dy) if in_out else (dy, saved_x)
                 dw = tf.cast(tf.matmul(tf.cast(a, dy.dtype), tf.cast(bb, dy.dtype),

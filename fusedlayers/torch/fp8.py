@@ -28,7 +28,8 @@ class Fp8Quantized(NamedTuple):
 
 
 def fp8_quantize(x: torch.Tensor, scaling: str = "1x128", format: str = "e4m3",
-                 transpose: bool = False, power_of_2_scales: bool = False) -> Fp8Quantized:
+                 transpose: bool = False, power_of_2_scales: bool = False,
+                 scaling_t: str | None = None) -> Fp8Quantized:
     """x quantized to FP8 with its scales, in one pass over x (two for tensorwise: amax, cast).
 
     x: [..., cols], float32/float16/bfloat16, any layout (copied to contiguous where it is not),
@@ -37,40 +38,48 @@ def fp8_quantize(x: torch.Tensor, scaling: str = "1x128", format: str = "e4m3",
     format: "e4m3" (torch.float8_e4m3fn, max 448) or "e5m2" (torch.float8_e5m2, max 57344).
     transpose: also x^T (cols x rows) quantized with its own blocks along x's rows (what a
     weight gradient's GEMM reads), from the same read of x. power_of_2_scales: scales rounded
-    to powers of two (exact dequantization).
+    to powers of two (exact dequantization). scaling_t: x^T's scaling, None (default) for
+    `scaling`, or "128x128" with scaling "1x128": x^T by the 128x128 tiles' scales (the bits
+    of fp8_quantize(x, "128x128", transpose=True)'s data_t) while x keeps its 1x128 blocks.
 
     Returns Fp8Quantized: data [..., cols]; scale_inv float32 of shape [] (tensorwise),
     [rows, ceil(cols/128)] (1x128, column-major) or [ceil(rows/128), ceil(cols/128)] (128x128,
     rows stored padded to 4 floats): the layouts cuBLASLt's (and `torch._scaled_mm`'s)
-    blockwise GEMMs read; data_t [cols, rows] and scale_inv_t (x^T's, of the same forms) with
-    transpose.
+    blockwise GEMMs read; data_t [cols, rows] and scale_inv_t (x^T's, of the same forms for
+    scaling_t) with transpose.
 
     Per block: s = fmt_max / amax in float32 (1 for an all-zero block), data = x * s rounded once
     to nearest even and saturated at fmt_max, scale_inv = 1 / s; a block holding NaN or Inf gets
     NaN values and a NaN scale (csrc/fp8/fp8.h). Formats: Micikevicius et al. 2022,
     arXiv:2209.05433. Raises TypeError for other dtypes, ValueError for an unknown scaling or
-    format or a 0-d x.
+    format, a scaling_t other than those, or a 0-d x.
     """
-    return Fp8Quantized(*fp8_quantize_op(x, scaling, format, transpose, power_of_2_scales))
+    return Fp8Quantized(*fp8_quantize_op(x, scaling, format, transpose, power_of_2_scales,
+                                         scaling_t))
 
 
-def check_names(op: str, scaling: str, format: str) -> None:
+def check_names(op: str, scaling: str, format: str, scaling_t: str | None = None) -> None:
     """The scaling and format names every FP8 op takes, checked as csrc does (for fake kernels)."""
     if format not in FORMATS:
         raise ValueError(f"fusedlayers.{op}: format must be 'e4m3' or 'e5m2', got {format!r}")
-    if scaling not in SCALINGS:
-        raise ValueError(f"fusedlayers.{op}: scaling must be 'tensorwise', '1x128' or "
-                         f"'128x128', got {scaling!r}")
+    for name, s in (("scaling", scaling), ("scaling_t", scaling_t or scaling)):
+        if s not in SCALINGS:
+            raise ValueError(f"fusedlayers.{op}: {name} must be 'tensorwise', '1x128' or "
+                             f"'128x128', got {s!r}")
+    if scaling_t not in (None, scaling) and (scaling, scaling_t) != ("1x128", "128x128"):
+        raise ValueError(f"fusedlayers.{op}: scaling_t must be scaling ({scaling!r}), or "
+                         f"'128x128' with scaling '1x128', got {scaling_t!r}")
 
 
-def fake_outputs(like: torch.Tensor, shape, scaling: str, format: str, transpose: bool):
+def fake_outputs(like: torch.Tensor, shape, scaling: str, format: str, transpose: bool,
+                 scaling_t: str | None = None):
     """The (data, scale_inv, data_t, scale_inv_t) a quantization of values of `shape` returns,
     as empty tensors on like's device (the fake kernels' outputs)."""
     cols = shape[-1]
     rows = int(np.prod(shape[:-1], dtype=np.int64)) if cols else 0
     data = like.new_empty(shape, dtype=FORMATS[format])
 
-    def scales(rows, cols):
+    def scales(scaling, rows, cols):
         if scaling == "tensorwise":
             return like.new_empty((), dtype=torch.float32)
         if scaling == "1x128":
@@ -79,15 +88,16 @@ def fake_outputs(like: torch.Tensor, shape, scaling: str, format: str, transpose
         return like.new_zeros((-(-rows // BLOCK), -(-blocks // 4) * 4),
                               dtype=torch.float32)[:, :blocks]
     if not transpose:
-        return data, scales(rows, cols), None, None
-    return data, scales(rows, cols), like.new_empty((cols, rows), dtype=FORMATS[format]), \
-        scales(cols, rows)
+        return data, scales(scaling, rows, cols), None, None
+    return data, scales(scaling, rows, cols), like.new_empty((cols, rows), dtype=FORMATS[format]), \
+        scales(scaling_t or scaling, cols, rows)
 
 
 @_op.register_fake("fp8_quantize")
-def _(x, scaling="1x128", format="e4m3", transpose=False, power_of_2_scales=False):
-    check_names("fp8_quantize", scaling, format)
-    return fake_outputs(x, tuple(x.shape), scaling, format, transpose)
+def _(x, scaling="1x128", format="e4m3", transpose=False, power_of_2_scales=False,
+      scaling_t=None):
+    check_names("fp8_quantize", scaling, format, scaling_t)
+    return fake_outputs(x, tuple(x.shape), scaling, format, transpose, scaling_t)
 
 
 def round_to_fp8(v: np.ndarray, format: str) -> np.ndarray:
@@ -104,7 +114,8 @@ def round_to_fp8(v: np.ndarray, format: str) -> np.ndarray:
 
 
 def reference(x: torch.Tensor, scaling: str = "1x128", format: str = "e4m3",
-              transpose: bool = False, power_of_2_scales: bool = False):
+              transpose: bool = False, power_of_2_scales: bool = False,
+              scaling_t: str | None = None):
     """The unfused computation in float64 (numpy) of fp8_quantize's values: (values, scale_inv,
     values_t, scale_inv_t), the values as float64 FP8 numbers (not yet dequantized), the
     scales in the op's shapes. s = fmt_max / amax is rounded to float32 as the kernels do."""
@@ -112,7 +123,7 @@ def reference(x: torch.Tensor, scaling: str = "1x128", format: str = "e4m3",
     x2 = x.detach().reshape(-1, x.shape[-1]).double().cpu().numpy() if x.shape[-1] else \
         np.zeros((0, 0))
 
-    def blocks(a):  # (rows, cols) -> per-value multiplier and the block scales
+    def blocks(a, scaling):  # (rows, cols) -> per-value multiplier and the block scales
         rows, cols = a.shape
         if scaling == "tensorwise":
             groups = [(slice(None), slice(None))]
@@ -136,10 +147,10 @@ def reference(x: torch.Tensor, scaling: str = "1x128", format: str = "e4m3",
             scale_inv = scale_inv.reshape(-(-rows // BLOCK), -(-cols // BLOCK))
         return round_to_fp8(a * s, format), scale_inv
 
-    values, scale_inv = blocks(x2)
+    values, scale_inv = blocks(x2, scaling)
     if not transpose:
         return values.reshape(x.shape), scale_inv, None, None
-    values_t, scale_inv_t = blocks(np.ascontiguousarray(x2.T))
+    values_t, scale_inv_t = blocks(np.ascontiguousarray(x2.T), scaling_t or scaling)
     return values.reshape(x.shape), scale_inv, values_t, scale_inv_t
 
 
@@ -173,25 +184,26 @@ _QUANTIZED = torch.utils.weak.WeakIdKeyDictionary()
 
 class _Entry(NamedTuple):
     version: int
-    key: tuple  # (scaling, format, power_of_2_scales)
+    key: tuple  # (scaling, format, power_of_2_scales, scaling_t)
     quantized: Fp8Quantized
 
 
 def quantize_input(x: torch.Tensor, scaling: str, format: str, transpose: bool,
-                   power_of_2_scales: bool) -> Fp8Quantized:
+                   power_of_2_scales: bool, scaling_t: str | None = None) -> Fp8Quantized:
     """fp8_quantize(x.reshape(-1, cols), ...) read from the record of x where one matches (same
-    version, scaling, format and scales, x^T present where asked), else computed and recorded:
+    version, scalings, format and scales, x^T present where asked), else computed and recorded:
     layers reading one tensor quantize it once and save one x^T for their weight gradients."""
     cols = x.shape[-1]
     if torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_inference() or \
             (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return fp8_quantize(x.reshape(-1, cols), scaling, format, transpose, power_of_2_scales)
+        return fp8_quantize(x.reshape(-1, cols), scaling, format, transpose, power_of_2_scales,
+                            scaling_t)
     entry = _QUANTIZED.get(x)
-    if entry is None or entry.version != x._version or \
-            entry.key != (scaling, format, power_of_2_scales) or \
+    key = (scaling, format, power_of_2_scales, scaling_t or scaling)
+    if entry is None or entry.version != x._version or entry.key != key or \
             (transpose and entry.quantized.data_t is None):
-        entry = _Entry(x._version, (scaling, format, power_of_2_scales),
-                       fp8_quantize(x, scaling, format, transpose, power_of_2_scales))
+        entry = _Entry(x._version, key,
+                       fp8_quantize(x, scaling, format, transpose, power_of_2_scales, scaling_t))
         _QUANTIZED[x] = entry
     q = entry.quantized
     return Fp8Quantized(q.data.reshape(-1, cols), q.scale_inv, q.data_t if transpose else None,

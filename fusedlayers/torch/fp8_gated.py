@@ -18,18 +18,19 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 def fp8_gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
               scaling: str = "1x128", format: str = "e4m3", transpose: bool = False,
-              power_of_2_scales: bool = False) -> Fp8Quantized:
+              power_of_2_scales: bool = False, scaling_t: str | None = None) -> Fp8Quantized:
     """act(gate) * up quantized to FP8: `fp8_quantize(swiglu(gate, up), ...)` (or geglu's) in one
     pass, equal to it bit for bit.
 
     gate, up: [..., cols], one shape, float16 or bfloat16, cols a multiple of 128; the halves of
     one projection (chunk(2, -1)) are read in place. activation: "silu" (SwiGLU), "gelu" or
     "gelu_tanh" (GeGLU). scaling: "1x128" or "tensorwise" (two passes: the amax, then the
-    values); format, transpose, power_of_2_scales and the result: as fp8_quantize's for x of
-    gate's shape. Raises TypeError for other dtypes, ValueError for other names, shapes or cols.
+    values); format, transpose, power_of_2_scales, scaling_t and the result: as fp8_quantize's
+    for x of gate's shape. Raises TypeError for other dtypes, ValueError for other names,
+    shapes or cols.
     """
     return Fp8Quantized(*forward_op(gate, up, activation, scaling, format, transpose,
-                                    power_of_2_scales))
+                                    power_of_2_scales, scaling_t))
 
 
 def fp8_gated_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -37,7 +38,8 @@ def fp8_gated_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                        transpose: bool = False, power_of_2_scales: bool = False) -> Fp8Quantized:
     """The gradient [dgate | dup] of act(gate) * up for dy, quantized to FP8:
     `fp8_quantize(torch.cat(swiglu_backward(dy, gate, up), -1), ...)` in one pass, equal to it
-    bit for bit: the operand of a gate/up projection's dgrad (and, transposed, its wgrad).
+    bit for bit: the operand of a gate/up projection's dgrad (and, transposed, its wgrad, whose
+    dy operand keeps the scaling: there is no scaling_t).
 
     dy, gate, up: [..., cols] as fp8_gated's. Returns Fp8Quantized of [..., 2 cols] (dgate's
     columns first), as fp8_quantize returns. Raises as fp8_gated.
@@ -46,11 +48,12 @@ def fp8_gated_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                                      power_of_2_scales))
 
 
-def _check(op: str, gate, activation: str, scaling: str, format: str) -> None:
+def _check(op: str, gate, activation: str, scaling: str, format: str,
+           scaling_t: str | None = None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"fusedlayers.{op}: activation must be 'silu', 'gelu' or 'gelu_tanh', "
                          f"got {activation!r}")
-    check_names(op, scaling, format)
+    check_names(op, scaling, format, scaling_t)
     if scaling == "128x128":
         raise ValueError(f"fusedlayers.{op}: scaling must be '1x128' or 'tensorwise' (128x128 "
                          "tiles are for weights)")
@@ -63,9 +66,9 @@ def _check(op: str, gate, activation: str, scaling: str, format: str) -> None:
 
 @_op.register_fake("fp8_gated_forward")
 def _(gate, up, activation, scaling="1x128", format="e4m3", transpose=False,
-      power_of_2_scales=False):
-    _check("fp8_gated_forward", gate, activation, scaling, format)
-    return fake_outputs(gate, tuple(gate.shape), scaling, format, transpose)
+      power_of_2_scales=False, scaling_t=None):
+    _check("fp8_gated_forward", gate, activation, scaling, format, scaling_t)
+    return fake_outputs(gate, tuple(gate.shape), scaling, format, transpose, scaling_t)
 
 
 @_op.register_fake("fp8_gated_backward")

@@ -43,7 +43,8 @@ class _Fp8Linear(torch.autograd.Function):
         keep_w_t = dgrad and not recipe.recompute_fp8_weights
         pow2 = recipe.power_of_2_scales
         if "fprop" in gemms or wgrad:
-            qx = quantize_input(x, recipe.input_scaling, "e4m3", wgrad, pow2)
+            qx = quantize_input(x, recipe.input_scaling, "e4m3", wgrad, pow2,
+                                recipe.input_t_scaling)
         if "fprop" in gemms or keep_w_t:
             qw = fp8_quantize(weight, recipe.weight_scaling, "e4m3", keep_w_t, pow2)
         if "fprop" in gemms:
@@ -88,7 +89,8 @@ class _Fp8Linear(torch.autograd.Function):
         if need_dw:
             if ctx.wgrad:  # dW = dy^T x: dy^T [out, tokens] is a, x^T [in, tokens] is b
                 dw = fp8_gemm(Fp8Quantized(qdy.data_t, qdy.scale_inv_t, None, None), s_in,
-                              Fp8Quantized(x_t, x_t_scale, None, None), s_in, ctx.w_dtype)
+                              Fp8Quantized(x_t, x_t_scale, None, None), recipe.input_t_scaling,
+                              ctx.w_dtype)
             else:
                 dw = (dy2.t() @ x_t.to(dy2.dtype)).to(ctx.w_dtype)
         if need_db:

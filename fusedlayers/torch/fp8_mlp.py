@@ -50,15 +50,16 @@ class _Fp8GatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, activation: str, recipe: Fp8Recipe, out_dtype):
         s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
+        s_in_t = recipe.input_t_scaling
         keep_w_t = not recipe.recompute_fp8_weights
-        qx = quantize_input(x, s_in, "e4m3", True, pow2)
+        qx = quantize_input(x, s_in, "e4m3", True, pow2, s_in_t)
         qw_gu = _quantize_gate_up(w_gate, w_up, s_w, keep_w_t, pow2)
         gate_up = fp8_gemm(qx, s_in, qw_gu, s_w, out_dtype)
         saved = [qx.data_t, qx.scale_inv_t, *((qw_gu.data_t, qw_gu.scale_inv_t) if keep_w_t
                                                else (w_gate, w_up)), gate_up]
         del qx, qw_gu  # their row-major forms are this GEMM's alone
         gate, up = gate_up.chunk(2, dim=-1)
-        qh = fp8_gated(gate, up, activation, s_in, "e4m3", True, pow2)
+        qh = fp8_gated(gate, up, activation, s_in, "e4m3", True, pow2, s_in_t)
         qw_down = fp8_quantize(w_down, s_w, "e4m3", keep_w_t, pow2)
         y = fp8_gemm(qh, s_in, qw_down, s_w, out_dtype)
         ctx.save_for_backward(*saved, qh.data_t, qh.scale_inv_t,
@@ -79,7 +80,7 @@ class _Fp8GatedMLP(torch.autograd.Function):
                                "activations as it goes; run the forward again")
         recipe = ctx.recipe
         s_in, s_w, pow2 = recipe.input_scaling, recipe.weight_scaling, recipe.power_of_2_scales
-        fmt = recipe.grad_format
+        s_in_t, fmt = recipe.input_t_scaling, recipe.grad_format
         recompute = recipe.recompute_fp8_weights  # the weights were saved: FP8 W^T made here
         if recompute:
             q = fp8_quantize(w_down_t, s_w, "e4m3", True, pow2)
@@ -90,7 +91,7 @@ class _Fp8GatedMLP(torch.autograd.Function):
         # down: dh = dy W_down (W_down^T [ffn, hidden] is b); dW_down = dy^T h
         dh = fp8_gemm(qdy, s_in, _t(w_down_t, w_down_t_scale), s_w, gate_up.dtype)
         _release(w_down_t)
-        dw_down = fp8_gemm(_t(qdy.data_t, qdy.scale_inv_t), s_in, _t(h_t, h_t_scale), s_in,
+        dw_down = fp8_gemm(_t(qdy.data_t, qdy.scale_inv_t), s_in, _t(h_t, h_t_scale), s_in_t,
                            ctx.w_dtypes[2])
         del qdy
         _release(h_t)
@@ -105,7 +106,7 @@ class _Fp8GatedMLP(torch.autograd.Function):
         # gate/up: dx = d[gate | up] W_gu; dW_gu = d[gate | up]^T x
         dx = fp8_gemm(qdgu, s_in, _t(w_gu_t, w_gu_t_scale), s_w, ctx.x_dtype)
         _release(w_gu_t)
-        dw_gu = fp8_gemm(_t(qdgu.data_t, qdgu.scale_inv_t), s_in, _t(x_t, x_t_scale), s_in,
+        dw_gu = fp8_gemm(_t(qdgu.data_t, qdgu.scale_inv_t), s_in, _t(x_t, x_t_scale), s_in_t,
                          ctx.w_dtypes[0])
         if ctx.split:
             dw_gate, dw_up = dw_gu.chunk(2, dim=0)
