@@ -242,8 +242,8 @@ def test_model_bench_tiny_on_cpu(name):
 
 @pytest.mark.parametrize("name", ("llama-lm", "llama-8b-layers"))
 def test_model_bench_fp8_variants_tiny_on_cpu(name):
-    """With fp8 each case's row carries fuse(model, fp8=) with both recipes (blockwise also with
-    its weights quantized again in the backward) beside the bf16 fused model, timed in the same
+    """With fp8 each case's row carries fuse(model, fp8=) with both recipes (blockwise also
+    keeping its FP8 W^T, and with x^T in tiles) beside the bf16 fused model, timed in the same
     rounds (torchao's only with peers, on CUDA)."""
     rows = model_bench.run(name, "cpu", batches=(1,), precisions=("bf16",), modes=("eager",),
                            rounds=1, steps=1, warmup=1, tiny=True, log=lambda line: None,
@@ -251,7 +251,7 @@ def test_model_bench_fp8_variants_tiny_on_cpu(name):
     (r,) = rows
     assert r.model == name and not r.not_run
     assert sorted(r.fp8) == ["fp8 blockwise", "fp8 blockwise, W^T kept",
-                             "fp8 tensorwise"]
+                             "fp8 blockwise, x^T tiles", "fp8 tensorwise"]
     for v in r.fp8.values():
         assert v["ms"] > 0 and v["vs_fused"] == pytest.approx(r.fused_ms / v["ms"])
     assert "fp8 blockwise:" in model_bench.format_row(r)

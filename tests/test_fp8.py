@@ -227,7 +227,8 @@ def test_gemm_and_mlp_bench_rows_on_the_cpu():
     mlp = mlp_bench.run("cpu", rounds=1, peers=False, compile=False, log=lambda line: None)
     assert [r.variant for r in mlp] == [
         "bf16 eager", "fusedlayers bf16", "fusedlayers fp8 blockwise",
-        "fusedlayers fp8 blockwise layers", "fusedlayers fp8 tensorwise",
+        "fusedlayers fp8 blockwise layers", "fusedlayers fp8 blockwise x^T tiles",
+        "fusedlayers fp8 blockwise x^T tiles layers", "fusedlayers fp8 tensorwise",
         "fusedlayers fp8 tensorwise layers"]
     assert all(r.ms > 0 and not r.not_run for r in mlp)
 

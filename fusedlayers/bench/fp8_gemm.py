@@ -4,7 +4,10 @@ wgrad, tensorwise) beside `torch._scaled_mm` in the same scaling on the same ope
 bf16 GEMM (torch.mm, cuBLAS) of the same shape, timed in interleaved rounds.
 
 Shapes: Llama-3-8B's at 8192 tokens on CUDA (m = 8192; k x n = 4096 x 14336 as gate/up,
-14336 x 4096 as down, 4096 x 4096 as an attention projection); 256 x 512 x 512 on the CPU.
+14336 x 4096 as down, 4096 x 4096 as an attention projection; and the weight gradients' m x k x
+n = 14336 x 8192 x 4096 and 4096 x 8192 x 14336, contracting over the tokens, where 1x128 x
+128x128 is a recipe's x^T in tiles: Fp8Recipe(wgrad_x_scaling="128x128")); 256 x 512 x 512 on
+the CPU.
 """
 
 import statistics
@@ -38,7 +41,8 @@ class GemmRow:
 def shapes(device_type: str) -> list[tuple]:
     if device_type != "cuda":
         return [(256, 512, 512)]
-    return [(8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 4096)]
+    return [(8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 4096), (14336, 8192, 4096),
+            (4096, 8192, 14336)]
 
 
 def scaled_mm(a, a_scaling, b, b_scaling):

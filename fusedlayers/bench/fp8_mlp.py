@@ -1,7 +1,8 @@
 """`python -m fusedlayers bench --fp8`, the MLP rows: two Llama-3-8B MLP blocks (x + down(
 swiglu(gate(n), up(n))) with n = rmsnorm(x); hidden 4096, ffn 14336) forward and backward at
 8192 tokens, bf16 parameters: stock torch eager and compiled; fuse(model) (bf16) and
-fuse(model, fp8=recipe) (the FP8 gated MLP, blockwise and tensorwise recipes); the same with
+fuse(model, fp8=recipe) (the FP8 gated MLP: blockwise, blockwise with the weight gradients' x^T
+in 128x128 tiles, tensorwise); the same with
 each projection an Fp8Linear of its own ("layers": every quantization a pass of its own beside
 fusedlayers' RMSNorm and swiglu); torchao's float8
 training (tensorwise and rowwise) under torch.compile where torchao is installed, in one run.
@@ -20,7 +21,9 @@ from ..torch import Fp8Linear, RMSNorm, fuse, swiglu
 from .ops import time_rounds
 from .table import did_not_run, format_speedup, speedup
 
-HEADER = f"{'variant':<34} {'ms':>9} {'MiB':>8}  {'vs bf16 eager':<20}"
+HEADER = f"{'variant':<44} {'ms':>9} {'MiB':>8}  {'vs bf16 eager':<20}"
+RECIPES = {"blockwise": Fp8Recipe(), "blockwise x^T tiles": Fp8Recipe(wgrad_x_scaling="128x128"),
+           "tensorwise": Fp8Recipe("tensorwise")}
 
 
 @dataclass
@@ -89,8 +92,7 @@ def variants(hidden, ffn, device, peers: bool, compile: bool) -> dict:
     if compile:
         out["bf16 compiled"] = lambda: torch.compile(model(hidden, ffn, device, False))
     out["fusedlayers bf16"] = lambda: model(hidden, ffn, device, True)
-    for name in ("blockwise", "tensorwise"):
-        recipe = Fp8Recipe(name)
+    for name, recipe in RECIPES.items():
         out[f"fusedlayers fp8 {name}"] = lambda r=recipe: model(hidden, ffn, device, True, r)
         out[f"fusedlayers fp8 {name} layers"] = \
             lambda r=recipe: model(hidden, ffn, device, True, r, layers=True)
@@ -147,9 +149,9 @@ def run(device: str = "cuda", rounds: int = 5, peers: bool = True, compile: bool
 
 def format_row(r: MlpRow) -> str:
     if r.ms is None:
-        return f"{r.variant:<34} did not run: {r.not_run}"
+        return f"{r.variant:<44} did not run: {r.not_run}"
     mib = f"{r.peak_mib:>8.0f}" if r.peak_mib is not None else f"{'-':>8}"
-    return f"{r.variant:<34} {r.ms:>9.3f} {mib}  {format_speedup(r.vs_eager):<20}"
+    return f"{r.variant:<44} {r.ms:>9.3f} {mib}  {format_speedup(r.vs_eager):<20}"
 
 
 def rows_json(rows: list[MlpRow]) -> list[dict]:

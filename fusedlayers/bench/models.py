@@ -94,7 +94,8 @@ class ModelRow:
     liger_ms: float | None = None
     liger_peak_mb: float | None = None
     not_run: str = ""  # which variants did not run, and why
-    # With fp8: each FP8 variant's {"ms", "peak_mb", "vs_fused"} (fused_ms / its ms)
+    # With fp8: each FP8 variant's {"ms", "gpu_ms", "peak_mb", "vs_fused"} (fused_ms / its ms;
+    # gpu_ms: its kernels' GPU time a step, None off CUDA)
     fp8: dict = field(default_factory=dict)
 
 
@@ -410,7 +411,8 @@ def run(name: str, device: str = "cuda", batches=None, precisions=None,
                                *gpu.get("fused", (None, None)), peak.get("unfused"),
                                peak.get("fused"), diff, ms.get("liger"), peak.get("liger"),
                                "; ".join(f"{k} did not run: {why}" for k, why in not_run.items()),
-                               {k: {"ms": t, "peak_mb": peak.get(k),
+                               {k: {"ms": t, "gpu_ms": gpu.get(k, (None,))[0],
+                                    "peak_mb": peak.get(k),
                                     "vs_fused": ms["fused"] / t if "fused" in ms else None}
                                 for k, t in ms.items() if k not in ("unfused", "fused", "liger")})
                 rows.append(row)
@@ -428,12 +430,14 @@ FALLIBLE = {"torchao tensorwise", "torchao rowwise"}
 
 def _fp8_variants(base, params: dict, peers: bool) -> dict:
     """name -> make() returning (model, mode): fuse(model, fp8=) with each recipe (the case's
-    mode; blockwise also keeping the forward's FP8 W^T, recompute_fp8_weights=False) and, with
-    peers, torchao's float8 training (compiled)."""
+    mode; blockwise also keeping the forward's FP8 W^T, recompute_fp8_weights=False, and with
+    the weight gradients' x^T in 128x128 tiles, wgrad_x_scaling="128x128") and, with peers,
+    torchao's float8 training (compiled)."""
     from ..fp8_recipe import Fp8Recipe
     from ..torch import fuse
     recipes = {"fp8 blockwise": Fp8Recipe(), "fp8 tensorwise": Fp8Recipe("tensorwise"),
-               "fp8 blockwise, W^T kept": Fp8Recipe(recompute_fp8_weights=False)}
+               "fp8 blockwise, W^T kept": Fp8Recipe(recompute_fp8_weights=False),
+               "fp8 blockwise, x^T tiles": Fp8Recipe(wgrad_x_scaling="128x128")}
     out = {name: (lambda r=r: (fuse(copy.deepcopy(base, dict(params)), fp8=r), None))
            for name, r in recipes.items()}
     if peers:
@@ -479,7 +483,8 @@ def format_row(r: ModelRow) -> str:
             f"{r.first_forward_rel_diff:>10.1e}{_f(r.liger_ms, '10.2f'):>10}"
             f"{_f(r.liger_peak_mb, '10.0f'):>10}" + (f"  {r.not_run}" if r.not_run else "") +
             "".join(f"\n  {k + ':':<35}{_f(v['ms'], '10.2f')} ms, "
-                    f"{_f(v['vs_fused'], '.3f')}x fused, peak {_f(v['peak_mb'], '.0f')} MB"
+                    f"{_f(v['vs_fused'], '.3f')}x fused, GPU {_f(v.get('gpu_ms'), '.2f')} ms, "
+                    f"peak {_f(v['peak_mb'], '.0f')} MB"
                     for k, v in r.fp8.items()))
 
 
