@@ -24,9 +24,10 @@ process taking its share of every global batch; `num_items_in_batch` is the coun
 the processes (all_reduce), and the loss is scaled by the number of processes, whose gradients
 the engines average: the same training as one process on the whole batch.
 
-With --fp8 blockwise|tensorwise|hybrid the fused run also makes every linear layer but the LM
-head an FP8 one (`fuse(model, fp8=fusedlayers.Fp8Recipe(...))`: its GEMMs on FP8 operands,
-quantized by 1x128 / 128x128 blocks or per tensor; hybrid: per tensor with E5M2 gradients); its
+With --fp8 blockwise|blockwise-wgrad-tiles|tensorwise|hybrid the fused run also makes every
+linear layer but the LM head an FP8 one (`fuse(model, fp8=fusedlayers.Fp8Recipe(...))`: its GEMMs
+on FP8 operands, quantized by 1x128 / 128x128 blocks (blockwise-wgrad-tiles: the weight
+gradients' x^T by 128x128 tiles) or per tensor; hybrid: per tensor with E5M2 gradients); its
 curve is held to the tolerances of the bf16 run
 (--master-weights), and the mean loss of the last fifth of the steps is printed beside the
 unfused run's.
@@ -68,8 +69,10 @@ MASTER_FIRST_RTOL = 1e-2
 LOSS_RTOL = 5e-2
 MAX_HELD_OUT = 2.5  # nats per byte
 SEQ = 128
-# --fp8's recipes: hybrid is tensorwise with E5M2 gradients
+# --fp8's recipes: hybrid is tensorwise with E5M2 gradients; blockwise-wgrad-tiles quantizes the
+# weight gradients' x^T by 128x128 tiles
 FP8_RECIPES = {"blockwise": fusedlayers.Fp8Recipe(),
+               "blockwise-wgrad-tiles": fusedlayers.Fp8Recipe(wgrad_x_scaling="128x128"),
                "tensorwise": fusedlayers.Fp8Recipe("tensorwise"),
                "hybrid": fusedlayers.Fp8Recipe("tensorwise", "hybrid")}
 

@@ -220,6 +220,11 @@ def test_fuse_swaps_linears_but_head_router_and_odd_sizes(seed):
     assert state.keys() == keys.keys() and all(state[k] is keys[k] or torch.equal(state[k], keys[k])
                                               for k in keys)
     close(model(x).detach(), want, 0.15, "y")
+    swapped = {path: what for path, _, what in model.fusedlayers_report.swapped}
+    assert swapped["up"].endswith("(blockwise, e4m3, fprop+dgrad+wgrad)")
+    tiles = fuse(Model(), fp8=Fp8Recipe(wgrad_x_scaling="128x128")).fusedlayers_report.swapped
+    assert dict((p, w) for p, _, w in tiles)["up"].endswith(
+        "(blockwise, e4m3, fprop+dgrad+wgrad, wgrad's x^T by 128x128 tiles)")
     with pytest.raises(TypeError, match="fp8 must be a fusedlayers.Fp8Recipe or None"):
         fuse(model, fp8="blockwise")
 

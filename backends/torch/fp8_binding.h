@@ -14,15 +14,15 @@ namespace fusedlayers::torch_binding {
 using Fp8Tensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // A scale_inv buffer of `sizes`: 1x128's [blocks, rows] buffer viewed as [rows, blocks]
-// (column-major), 128x128's padded rows cut to their tiles (the padding zeroed), a tensorwise
-// scale 0-d.
+// (column-major), 128x128's padded rows cut to their tiles (the padding left unwritten: no
+// GEMM reads it, and zeroing it would cost a launch a buffer), a tensorwise scale 0-d.
 inline at::Tensor scale_buffer(const Fp8ScaleSizes& sizes, Fp8Scaling scaling,
                         const at::TensorOptions& f32) {
   switch (scaling) {
     case Fp8Scaling::kTensorwise: return at::empty({}, f32);
     case Fp8Scaling::kBlock1x128: return at::empty({sizes.dim0, sizes.dim1}, f32).t();
     case Fp8Scaling::kBlock128x128:
-      return at::zeros({sizes.dim0, sizes.ld}, f32).narrow(1, 0, sizes.dim1);
+      return at::empty({sizes.dim0, sizes.ld}, f32).narrow(1, 0, sizes.dim1);
   }
   return {};
 }

@@ -85,7 +85,7 @@ def fake_outputs(like: torch.Tensor, shape, scaling: str, format: str, transpose
         if scaling == "1x128":
             return like.new_empty((-(-cols // BLOCK), rows), dtype=torch.float32).t()
         blocks = -(-cols // BLOCK)
-        return like.new_zeros((-(-rows // BLOCK), -(-blocks // 4) * 4),
+        return like.new_empty((-(-rows // BLOCK), -(-blocks // 4) * 4),
                               dtype=torch.float32)[:, :blocks]
     if not transpose:
         return data, scales(scaling, rows, cols), None, None

@@ -224,8 +224,10 @@ def _fuse_fp8_linears(model: nn.Module, report: FuseReport, recipe: Fp8Recipe) -
             report.left.append((path, _describe(module), f"fp8: {why}"))
             continue
         _set(model, path, Fp8Linear.from_linear(module, recipe).train(module.training))
+        tiles = ", wgrad's x^T by 128x128 tiles" if recipe.wgrad_x_scaling == "128x128" else ""
         report.swapped.append((path, _describe(module), f"{class_name(Fp8Linear)} "
-                               f"({recipe.scaling}, {recipe.format}, {'+'.join(recipe.gemms)})"))
+                               f"({recipe.scaling}, {recipe.format}, {'+'.join(recipe.gemms)}"
+                               f"{tiles})"))
 
 
 # ---------------------------------------------------------------- probes
